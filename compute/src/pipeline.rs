@@ -1,0 +1,192 @@
+//! All stages of a model in one process: the reference for what the swarm computes, and the
+//! engine of `shoal train`.
+
+use crate::backend::Backend;
+use crate::config::ModelConfig;
+use crate::data::Batch;
+use crate::optim::{AdamW, LrSchedule};
+use crate::stage::{MicrobatchShape, Stage, StageError, StageInput, StageOutput, StageSpec};
+use std::sync::Arc;
+
+/// What one optimizer step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepStats {
+    /// Mean loss over the step's samples (before the update).
+    pub loss: f32,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Learning rate used.
+    pub lr: f32,
+}
+
+/// A model cut into stages that all run in this process, chained in order (GPipe-style: all
+/// forwards, then all backwards, then one synchronous optimizer step).
+pub struct LocalPipeline<B: Backend> {
+    stages: Vec<Stage<B>>,
+    optimizer: AdamW,
+    schedule: LrSchedule,
+    step: u64,
+}
+
+impl<B: Backend> LocalPipeline<B> {
+    /// A model of shape `config` cut into `stages` stages, all on `backend`.
+    pub fn new(
+        backend: Arc<B>,
+        config: ModelConfig,
+        stages: usize,
+        seed: u64,
+        optimizer: AdamW,
+        schedule: LrSchedule,
+    ) -> Result<Self, StageError> {
+        let stages = (0..stages.max(1))
+            .map(|index| {
+                Stage::new(
+                    backend.clone(),
+                    config,
+                    StageSpec {
+                        index,
+                        count: stages,
+                    },
+                    seed,
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(LocalPipeline {
+            stages,
+            optimizer,
+            schedule,
+            step: 0,
+        })
+    }
+
+    /// The stages, first to last.
+    pub fn stages(&self) -> &[Stage<B>] {
+        &self.stages
+    }
+
+    /// Mutable access to the stages.
+    pub fn stages_mut(&mut self) -> &mut [Stage<B>] {
+        &mut self.stages
+    }
+
+    /// Optimizer steps taken.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Unique parameters of the model (the tied embedding counted once).
+    pub fn param_count(&self) -> usize {
+        let tied_copy = match self.stages.as_slice() {
+            [_] | [] => 0,
+            [.., last] => last
+                .tensors()
+                .find(|t| t.name == "wte")
+                .map_or(0, |t| t.len),
+        };
+        self.stages.iter().map(|s| s.param_count()).sum::<usize>() - tied_copy
+    }
+
+    /// Forward and backward over `batch` in microbatches of `microbatch` samples, accumulating
+    /// the gradient of the batch's mean loss. Returns the mean loss; does not step.
+    pub fn accumulate(&mut self, batch: &Batch, microbatch: usize) -> Result<f32, StageError> {
+        let microbatch = microbatch.clamp(1, batch.batch.max(1));
+        let count = batch.batch.div_ceil(microbatch);
+        let mut loss_sum = 0.0f64;
+        for m in 0..count {
+            let rows = (m * microbatch)..((m + 1) * microbatch).min(batch.batch);
+            let shape = MicrobatchShape {
+                batch: rows.len(),
+                seq: batch.seq,
+            };
+            let tokens = &batch.inputs[rows.start * batch.seq..rows.end * batch.seq];
+            let targets = &batch.targets[rows.start * batch.seq..rows.end * batch.seq];
+            let weight = rows.len() as f32 / batch.batch as f32;
+            let id = m as u64;
+            let mut acts = Vec::new();
+            for (i, stage) in self.stages.iter_mut().enumerate() {
+                let input = if i == 0 {
+                    StageInput::Tokens(tokens)
+                } else {
+                    StageInput::Activations(&acts)
+                };
+                match stage.forward(id, shape, input, Some(targets))? {
+                    StageOutput::Activations(a) => acts = a,
+                    StageOutput::Loss(l) => loss_sum += l as f64 * weight as f64,
+                }
+            }
+            let mut grad: Option<Vec<f32>> = None;
+            for stage in self.stages.iter_mut().rev() {
+                grad = stage.backward(id, grad.as_deref(), weight)?;
+            }
+        }
+        Ok(loss_sum as f32)
+    }
+
+    /// Sums the tied embedding's gradient across the first and last stage (both copies then
+    /// hold the full gradient) and returns the global gradient norm.
+    pub fn reduce_grads(&mut self) -> Result<f64, StageError> {
+        if self.stages.len() > 1 {
+            let n = self.stages.len();
+            let first = self.stages[0].tied_embedding_grad()?;
+            let last = self.stages[n - 1].tied_embedding_grad()?;
+            if let (Some(mut a), Some(b)) = (first, last) {
+                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
+                self.stages[0].set_tied_embedding_grad(&a)?;
+                self.stages[n - 1].set_tied_embedding_grad(&a)?;
+            }
+        }
+        let mut total = 0.0;
+        for s in &self.stages {
+            total += s.grad_sum_squares(false)?;
+        }
+        Ok(total.sqrt())
+    }
+
+    /// One optimizer step on `batch`: accumulate, reduce, clip, AdamW, zero the gradients.
+    pub fn train_step(
+        &mut self,
+        batch: &Batch,
+        microbatch: usize,
+    ) -> Result<StepStats, StageError> {
+        let loss = self.accumulate(batch, microbatch)?;
+        let grad_norm = self.reduce_grads()?;
+        let lr = self.schedule.lr(self.step);
+        let scale = self.optimizer.clip_scale(grad_norm);
+        for s in &mut self.stages {
+            s.apply_optimizer(&self.optimizer, lr, scale)?;
+            s.zero_grads()?;
+        }
+        self.step += 1;
+        Ok(StepStats {
+            loss,
+            grad_norm,
+            lr,
+        })
+    }
+
+    /// Mean loss on `batch` without touching gradients (forward only).
+    pub fn evaluate(&mut self, batch: &Batch) -> Result<f32, StageError> {
+        let shape = MicrobatchShape {
+            batch: batch.batch,
+            seq: batch.seq,
+        };
+        let id = u64::MAX;
+        let mut acts = Vec::new();
+        let mut loss = f32::NAN;
+        for (i, stage) in self.stages.iter_mut().enumerate() {
+            let input = if i == 0 {
+                StageInput::Tokens(&batch.inputs)
+            } else {
+                StageInput::Activations(&acts)
+            };
+            match stage.forward(id, shape, input, Some(&batch.targets))? {
+                StageOutput::Activations(a) => acts = a,
+                StageOutput::Loss(l) => loss = l,
+            }
+        }
+        for stage in &mut self.stages {
+            stage.discard(id);
+        }
+        Ok(loss)
+    }
+}

@@ -1,0 +1,10 @@
+//! shoal-netsim: a swarm on one machine, reproducible from a seed.
+//!
+//! A discrete-event simulator with a virtual clock that drives the very same protocol state
+//! machines (`shoal-protocol`) and compute (`shoal-compute`) as the node, over modelled links
+//! (latency, jitter, bandwidth with queueing, loss, partitions) and modelled devices. Compute
+//! runs for real on the CPU so loss curves are real; its duration comes from the device model.
+//!
+//! This crate must never re-implement a protocol decision (if the simulator needs one, the
+//! state machine makes it), never read the wall clock, and never use randomness that does not
+//! derive from the scenario's seed: the same scenario and seed give the same event trace.

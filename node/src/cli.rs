@@ -1,0 +1,105 @@
+//! Command-line arguments.
+
+use clap::{Args, Parser, Subcommand};
+use shoal_compute::Preset;
+use std::path::PathBuf;
+
+/// shoal: train one transformer across many machines, peer to peer.
+#[derive(Debug, Parser)]
+#[command(name = "shoal", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Train a model in this process, all stages local.
+    Train(TrainArgs),
+    /// Measure performance.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Time full training steps (forward, backward, AdamW).
+    Compute(BenchComputeArgs),
+}
+
+fn positive(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("'{s}' is not a positive whole number")),
+    }
+}
+
+fn positive_f32(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(format!("'{s}' is not a positive number")),
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Model size: nano, micro, mini or gpt2.
+    #[arg(long, default_value = "nano")]
+    pub preset: Preset,
+    /// Number of pipeline stages the model is cut into.
+    #[arg(long, default_value = "1", value_parser = positive)]
+    pub stages: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value = "300", value_parser = positive)]
+    pub steps: usize,
+    /// Samples (sequences) per optimizer step.
+    #[arg(long, default_value = "16", value_parser = positive)]
+    pub batch: usize,
+    /// Samples per microbatch (default: the whole batch).
+    #[arg(long, value_parser = positive)]
+    pub microbatch: Option<usize>,
+    /// Tokens per sample (default: the model's context).
+    #[arg(long, value_parser = positive)]
+    pub seq: Option<usize>,
+    /// A UTF-8 text file to train on (default: the built-in synthetic corpus).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Seed of the model initialisation and of the data order.
+    #[arg(long, default_value = "1")]
+    pub seed: u64,
+    /// Worker threads (0: one per core).
+    #[arg(long, default_value = "0")]
+    pub threads: usize,
+    /// Peak learning rate (warmup then cosine decay to a tenth of it); default per preset.
+    #[arg(long, value_parser = positive_f32)]
+    pub lr: Option<f32>,
+    /// Write a JSON report here.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchComputeArgs {
+    /// Model size: nano, micro, mini or gpt2.
+    #[arg(long, default_value = "micro")]
+    pub preset: Preset,
+    /// Samples per step.
+    #[arg(long, default_value = "8", value_parser = positive)]
+    pub batch: usize,
+    /// Worker threads (0: one per core).
+    #[arg(long, default_value = "0")]
+    pub threads: usize,
+    /// Timed steps (the median is reported).
+    #[arg(long, default_value = "10", value_parser = positive)]
+    pub steps: usize,
+    /// Untimed warm-up steps.
+    #[arg(long, default_value = "3")]
+    pub warmup: usize,
+    /// Tokens per sample (default: the model's context).
+    #[arg(long, value_parser = positive)]
+    pub seq: Option<usize>,
+    /// Print one JSON object instead of a sentence.
+    #[arg(long)]
+    pub json: bool,
+}

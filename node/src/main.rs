@@ -1,0 +1,52 @@
+//! `shoal`: train one transformer across many machines.
+//!
+//! This binary is the thin IO layer of shoal: it parses the command line, owns threads,
+//! terminals and files, and drives the compute core (`shoal-compute`); protocol decisions
+//! never live here. Errors reach the user as one line and a non-zero exit, never a panic.
+
+mod bench;
+mod cli;
+mod report;
+mod train;
+
+use clap::Parser;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let args = match cli::Cli::try_parse() {
+        Ok(args) => args,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                let _ = e.print();
+                return ExitCode::from(2);
+            }
+            // One line: clap's first line names the argument and the reason.
+            let text = e.render().to_string();
+            eprintln!("{}", text.lines().next().unwrap_or("error: bad arguments"));
+            return ExitCode::from(2);
+        }
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match args.command {
+        cli::Command::Train(a) => train::run(a),
+        cli::Command::Bench(cli::BenchCommand::Compute(a)) => bench::compute(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

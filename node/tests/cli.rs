@@ -1,0 +1,184 @@
+//! The command line: a short run writes a complete report; bad input gets one line of error
+//! and a non-zero exit, never a panic.
+
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::process::Command;
+
+fn shoal(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(args)
+        .output()
+        .expect("run shoal")
+}
+
+fn assert_clean_failure(args: &[&str], expect: &str) {
+    let out = shoal(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} should fail");
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "{args:?}: expected one line, got {stderr:?}"
+    );
+    assert!(
+        lines[0].contains(expect),
+        "{args:?}: {:?} does not mention {expect:?}",
+        lines[0]
+    );
+}
+
+#[test]
+fn bad_input_gives_one_line_and_nonzero_exit() {
+    let dir = std::env::temp_dir().join(format!("shoal-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let binary = dir.join("binary.txt");
+    std::fs::write(&binary, [0xff, 0xfe, 0x00, 0x80]).unwrap();
+    let short = dir.join("short.txt");
+    std::fs::write(&short, "tiny").unwrap();
+    let missing = dir.join("does-not-exist.txt");
+
+    assert_clean_failure(
+        &["train", "--data", missing.to_str().unwrap(), "--steps", "1"],
+        "cannot read",
+    );
+    assert_clean_failure(
+        &["train", "--data", dir.to_str().unwrap(), "--steps", "1"],
+        "cannot read",
+    );
+    assert_clean_failure(
+        &["train", "--data", empty.to_str().unwrap(), "--steps", "1"],
+        "empty",
+    );
+    assert_clean_failure(
+        &["train", "--data", binary.to_str().unwrap(), "--steps", "1"],
+        "not UTF-8",
+    );
+    assert_clean_failure(
+        &["train", "--data", short.to_str().unwrap(), "--steps", "1"],
+        "at least",
+    );
+    assert_clean_failure(&["train", "--preset", "huge"], "unknown preset");
+    assert_clean_failure(&["train", "--batch", "0"], "at least 1");
+    assert_clean_failure(&["train", "--steps=-3"], "not a positive whole number");
+    assert_clean_failure(&["train", "--stages", "5"], "cannot cut");
+    assert_clean_failure(&["bench", "compute", "--batch", "0"], "at least 1");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_short_run_writes_a_complete_report() {
+    let dir = std::env::temp_dir().join(format!("shoal-report-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let report = dir.join("report.json");
+    let out = shoal(&[
+        "train",
+        "--preset",
+        "nano",
+        "--steps",
+        "4",
+        "--batch",
+        "2",
+        "--stages",
+        "2",
+        "--threads",
+        "1",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&report).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for key in [
+        "preset",
+        "params",
+        "steps",
+        "tokens",
+        "final_loss",
+        "loss_floor",
+        "tokens_per_s",
+        "loss_curve",
+    ] {
+        assert!(json.get(key).is_some(), "report lacks {key}: {text}");
+    }
+    assert_eq!(json["preset"], "nano");
+    assert_eq!(json["params"], 120_576);
+    assert_eq!(json["tokens"], 4 * 2 * 64);
+    assert_eq!(json["loss_curve"].as_array().unwrap().len(), 4);
+    assert!(json["loss_floor"].as_f64().unwrap() > 0.5);
+
+    // A text file trains too, and has no known floor.
+    let text_file = dir.join("text.txt");
+    std::fs::write(
+        &text_file,
+        "the quick brown fox jumps over the lazy dog. ".repeat(20),
+    )
+    .unwrap();
+    let out = shoal(&[
+        "train",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--data",
+        text_file.to_str().unwrap(),
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert!(json["loss_floor"].is_null());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bench_compute_prints_one_json_object() {
+    let out = shoal(&[
+        "bench",
+        "compute",
+        "--preset",
+        "nano",
+        "--batch",
+        "2",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in [
+        "preset",
+        "backend",
+        "batch",
+        "context",
+        "params",
+        "step_ms_median",
+        "step_ms_min",
+        "tokens_per_s",
+        "gflops",
+    ] {
+        assert!(json.get(key).is_some(), "bench output lacks {key}");
+    }
+    assert!(json["step_ms_median"].as_f64().unwrap() > 0.0);
+}
