@@ -114,6 +114,15 @@ pub struct MicrobatchShape {
     pub seq: usize,
 }
 
+fn attention_shape(config: &ModelConfig, shape: MicrobatchShape) -> AttentionShape {
+    AttentionShape {
+        batch: shape.batch,
+        seq: shape.seq,
+        width: config.width,
+        heads: config.heads,
+    }
+}
+
 impl MicrobatchShape {
     /// Token positions in the microbatch.
     pub fn tokens(&self) -> usize {
@@ -486,12 +495,7 @@ impl<B: Backend> Stage<B> {
         let b = &*self.backend;
         let n = shape.tokens();
         let c = self.config.width;
-        let att = AttentionShape {
-            batch: shape.batch,
-            seq: shape.seq,
-            width: c,
-            heads: self.config.heads,
-        };
+        let att = attention_shape(&self.config, shape);
         let blocks = self
             .spec
             .blocks(&self.config)
@@ -608,12 +612,7 @@ impl<B: Backend> Stage<B> {
         let cfg = &self.config;
         let (n, c) = (s.shape.tokens(), cfg.width);
         let rows = RowShape { rows: n, width: c };
-        let att = AttentionShape {
-            batch: s.shape.batch,
-            seq: s.shape.seq,
-            width: c,
-            heads: cfg.heads,
-        };
+        let att = attention_shape(cfg, s.shape);
         match input {
             StageInput::Tokens(t) => {
                 let tokens = b.upload_tokens(t)?;
@@ -826,12 +825,7 @@ impl<B: Backend> Stage<B> {
         let b = &**backend;
         let (n, c) = (s.shape.tokens(), config.width);
         let rows = RowShape { rows: n, width: c };
-        let att = AttentionShape {
-            batch: s.shape.batch,
-            seq: s.shape.seq,
-            width: c,
-            heads: config.heads,
-        };
+        let att = attention_shape(config, s.shape);
         let x_last = s.blocks.last().map_or(&s.input, |a| &a.out);
 
         if spec.is_last() {

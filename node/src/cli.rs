@@ -51,7 +51,7 @@ pub struct TrainArgs {
     #[arg(long, default_value = "1", value_parser = positive)]
     pub stages: usize,
     /// Optimizer steps.
-    #[arg(long, default_value = "300", value_parser = positive)]
+    #[arg(long, default_value = "600", value_parser = positive)]
     pub steps: usize,
     /// Samples (sequences) per optimizer step.
     #[arg(long, default_value = "16", value_parser = positive)]
