@@ -12,3 +12,34 @@
 
 /// The protocol's major version; it appears in every frame and protocol id (`/shoal/.../1`).
 pub const PROTOCOL_VERSION: u16 = 1;
+
+pub mod codec;
+mod simd;
+pub mod wire;
+
+pub use codec::{Codec, CodecError, Decoder, Encoder, ErrorFeedback, TensorHeader, ValueFormat};
+pub use wire::{FrameHeader, FrameKind, FrameLimits, WireError};
+
+use serde::{Deserialize, Serialize};
+
+/// The codec of each kind of tensor traffic; part of a run's configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TrafficCodecs {
+    /// Activations sent forward between stages.
+    pub activations: Codec,
+    /// Gradients of activations sent backward between stages.
+    pub activation_grads: Codec,
+    /// Gradient (or DiLoCo pseudo-gradient) averaging between replicas of a stage.
+    pub averaging: Codec,
+}
+
+impl Default for TrafficCodecs {
+    /// int8 everywhere: 3.8x smaller than fp32 at a loss cost within noise (see the README).
+    fn default() -> Self {
+        TrafficCodecs {
+            activations: Codec::default(),
+            activation_grads: Codec::default(),
+            averaging: Codec::default(),
+        }
+    }
+}

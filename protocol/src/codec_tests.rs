@@ -1,0 +1,218 @@
+//! Property tests of the codecs: exact where lossless, within the documented error bound where
+//! lossy, and error feedback that loses nothing over time.
+
+use super::*;
+use proptest::prelude::*;
+
+fn roundtrip(codec: Codec, x: &[f32]) -> Vec<f32> {
+    let bytes = encode_to_vec(codec, x, &[x.len()]).unwrap();
+    let (header, y) = decode_to_vec(&bytes).unwrap();
+    assert_eq!(header.shape.numel(), x.len());
+    y
+}
+
+fn finite_vec(max_len: usize) -> impl Strategy<Value = Vec<f32>> {
+    prop::collection::vec(
+        prop_oneof![
+            4 => -1e3f32..1e3,
+            1 => -1e-3f32..1e-3,
+            1 => Just(0.0f32),
+            1 => -6e4f32..6e4,
+        ],
+        0..max_len,
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn fp32_is_exact(x in prop::collection::vec(any::<f32>(), 0..300)) {
+        let y = roundtrip(Codec::Fp32, &x);
+        prop_assert_eq!(x.len(), y.len());
+        for (a, b) in x.iter().zip(&y) {
+            prop_assert_eq!(a.to_bits(), b.to_bits());
+        }
+    }
+
+    #[test]
+    fn fp16_and_bf16_round_to_nearest(x in finite_vec(300)) {
+        let h = roundtrip(Codec::Fp16, &x);
+        let b = roundtrip(Codec::Bf16, &x);
+        for ((&v, &hv), &bv) in x.iter().zip(&h).zip(&b) {
+            prop_assert_eq!(hv, half::f16::from_f32(v).to_f32());
+            prop_assert_eq!(bv, half::bf16::from_f32(v).to_f32());
+            // bf16 keeps 8 significant bits: relative error at most 2^-8.
+            prop_assert!((bv - v).abs() <= v.abs() / 256.0);
+        }
+    }
+
+    #[test]
+    fn int8_is_within_half_a_step_of_its_block_scale(
+        x in finite_vec(600),
+        block in prop::sample::select(vec![8u32, 16, 64, 100, 256]),
+    ) {
+        let y = roundtrip(Codec::Int8 { block }, &x);
+        for (chunk_x, chunk_y) in x.chunks(block as usize).zip(y.chunks(block as usize)) {
+            let absmax = chunk_x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let step = absmax / 127.0;
+            for (a, b) in chunk_x.iter().zip(chunk_y) {
+                // Half a step, plus the f32 rounding of the scale and product (a few ulp).
+                prop_assert!((a - b).abs() <= 0.5 * step * (1.0 + 1e-5) + absmax * 1e-6,
+                    "{} vs {} (step {})", a, b, step);
+            }
+        }
+    }
+
+    #[test]
+    fn topk_keeps_exactly_the_largest(x in finite_vec(2000), pct in 1u32..50) {
+        let codec = Codec::TopK { ppm: pct * 10_000, values: ValueFormat::Fp16 };
+        let y = roundtrip(codec, &x);
+        let k = Codec::topk_count(pct * 10_000, x.len());
+        let mut mags: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+        mags.sort_by(|a, b| b.total_cmp(a));
+        let kth = mags.get(k.saturating_sub(1)).copied().unwrap_or(0.0);
+        let kept = y.iter().zip(&x).filter(|(yv, _)| **yv != 0.0).count();
+        prop_assert!(kept <= k);
+        for (&a, &b) in x.iter().zip(&y) {
+            if b != 0.0 {
+                prop_assert_eq!(b, half::f16::from_f32(a).to_f32());
+                prop_assert!(a.abs() >= kth);
+            } else if a.abs() > kth && half::f16::from_f32(a).to_f32() != 0.0 {
+                prop_assert!(false, "dropped {} above the k-th magnitude {}", a, kth);
+            }
+        }
+    }
+
+    #[test]
+    fn error_feedback_tracks_the_running_sum(
+        rounds in prop::collection::vec(prop::collection::vec(-1.0f32..1.0, 256), 1..40),
+        int8 in any::<bool>(),
+    ) {
+        let values = if int8 { ValueFormat::Int8 } else { ValueFormat::Fp16 };
+        let codec = Codec::TopK { ppm: 50_000, values };
+        let mut fb = ErrorFeedback::new();
+        let mut enc = Encoder::new();
+        let mut dec = Decoder::new();
+        let (mut sent, mut got) = (vec![0f64; 256], vec![0f64; 256]);
+        let mut bytes = Vec::new();
+        let mut y = Vec::new();
+        for x in &rounds {
+            fb.encode(&mut enc, codec, x, &[256], &mut bytes).unwrap();
+            dec.decode(&bytes, &mut y).unwrap();
+            for i in 0..256 {
+                sent[i] += x[i] as f64;
+                got[i] += y[i] as f64;
+            }
+        }
+        // Invariant: what was sent plus what is withheld is what went in (up to rounding).
+        for i in 0..256 {
+            let withheld = fb.residual()[i] as f64;
+            prop_assert!((sent[i] - got[i] - withheld).abs() < 1e-3, "element {}", i);
+        }
+    }
+}
+
+#[test]
+fn error_feedback_residual_stays_bounded_over_many_rounds() {
+    // 1% top-k of a stream of random vectors: without feedback 99% of every round would be
+    // lost; with it the residual stays bounded and the decoded sum follows the input sum.
+    let n = 1000;
+    let codec = Codec::TopK {
+        ppm: 10_000,
+        values: ValueFormat::Fp16,
+    };
+    let (mut fb, mut enc, mut dec) = (ErrorFeedback::new(), Encoder::new(), Decoder::new());
+    let (mut bytes, mut y) = (Vec::new(), Vec::new());
+    let mut state = 12345u64;
+    let mut rand = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+    };
+    let (mut sent, mut got) = (vec![0f64; n], vec![0f64; n]);
+    let mut max_residual = 0f32;
+    for _ in 0..3000 {
+        let x: Vec<f32> = (0..n).map(|_| rand()).collect();
+        fb.encode(&mut enc, codec, &x, &[n], &mut bytes).unwrap();
+        dec.decode(&bytes, &mut y).unwrap();
+        for i in 0..n {
+            sent[i] += x[i] as f64;
+            got[i] += y[i] as f64;
+        }
+        max_residual = max_residual.max(fb.residual().iter().fold(0f32, |m, v| m.max(v.abs())));
+    }
+    let drift = sent
+        .iter()
+        .zip(&got)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f64, f64::max);
+    // A random walk of 3000 steps of std 0.29 would wander ~16; the residual stays far lower.
+    assert!(max_residual < 12.0, "residual grew to {max_residual}");
+    assert!(drift <= max_residual as f64 + 1e-2, "drift {drift}");
+}
+
+#[test]
+fn codec_names_parse_and_print() {
+    for s in [
+        "fp32",
+        "fp16",
+        "bf16",
+        "int8",
+        "int8:128",
+        "topk:1%",
+        "topk:0.5%:int8",
+    ] {
+        let c: Codec = s.parse().unwrap();
+        assert_eq!(c.to_string(), s);
+    }
+    for bad in [
+        "",
+        "int4",
+        "int8:3",
+        "topk",
+        "topk:0%",
+        "topk:1",
+        "topk:1%:bf16",
+        "fp16:2",
+    ] {
+        assert!(bad.parse::<Codec>().is_err(), "{bad:?} should not parse");
+    }
+}
+
+#[test]
+fn decoder_rejects_inconsistent_messages() {
+    let x: Vec<f32> = (0..100).map(|i| i as f32).collect();
+    let good = encode_to_vec(Codec::Int8 { block: 16 }, &x, &[10, 10]).unwrap();
+    let mut y = Vec::new();
+    let mut dec = Decoder::new();
+    assert!(dec.decode(&good, &mut y).is_ok());
+    // Flip a payload bit: checksum.
+    let mut bad = good.clone();
+    *bad.last_mut().unwrap() ^= 1;
+    assert_eq!(dec.decode(&bad, &mut y), Err(CodecError::Checksum));
+    // Truncate.
+    assert!(matches!(
+        dec.decode(&good[..good.len() - 1], &mut y),
+        Err(CodecError::Truncated { .. })
+    ));
+    // Trailing bytes.
+    let mut long = good.clone();
+    long.push(0);
+    assert_eq!(dec.decode(&long, &mut y), Err(CodecError::TrailingBytes(1)));
+    // Shape that disagrees with the payload length.
+    let mut reshaped = good.clone();
+    reshaped[8] = 11;
+    assert!(matches!(
+        dec.decode(&reshaped, &mut y),
+        Err(CodecError::PayloadLength { .. })
+    ));
+    // Unknown encoding id from a newer peer.
+    let mut newer = good;
+    newer[1] = 9;
+    assert_eq!(
+        dec.decode(&newer, &mut y),
+        Err(CodecError::UnknownEncoding(9))
+    );
+}
