@@ -25,5 +25,5 @@ pub use backend::{Backend, BackendError, CpuBackend};
 pub use config::{ModelConfig, Preset};
 pub use data::{Batch, Corpus, DataError, DataLoader, Shard};
 pub use optim::{AdamW, LrSchedule};
-pub use pipeline::{LocalPipeline, StepStats};
+pub use pipeline::{LocalPipeline, StepStats, Transit};
 pub use stage::{MicrobatchId, Stage, StageError, StageSpec};

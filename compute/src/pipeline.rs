@@ -8,6 +8,26 @@ use crate::optim::{AdamW, LrSchedule};
 use crate::stage::{MicrobatchShape, Stage, StageError, StageInput, StageOutput, StageSpec};
 use std::sync::Arc;
 
+/// What happens to tensors in transit between stages (activations forward, their gradients
+/// backward) and between replicas (parameter gradients). In one process nothing happens; a
+/// test or benchmark can apply a codec round trip to see what compression does to training.
+pub trait Transit {
+    /// Activations leaving stage `from` for stage `from + 1`.
+    fn activations(&mut self, _from: usize, _values: &mut Vec<f32>) {}
+    /// Activation gradients leaving stage `from` for stage `from - 1`.
+    fn activation_grads(&mut self, _from: usize, _values: &mut Vec<f32>) {}
+    /// Whether [`Transit::param_grads`] changes anything (it costs a download and upload).
+    fn touches_param_grads(&self) -> bool {
+        false
+    }
+    /// The accumulated parameter gradients of `stage` before the optimizer step, as they would
+    /// be after averaging with replicas.
+    fn param_grads(&mut self, _stage: usize, _values: &mut Vec<f32>) {}
+}
+
+/// Tensors arrive exactly as sent.
+impl Transit for () {}
+
 /// What one optimizer step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepStats {
@@ -89,6 +109,16 @@ impl<B: Backend> LocalPipeline<B> {
     /// Forward and backward over `batch` in microbatches of `microbatch` samples, accumulating
     /// the gradient of the batch's mean loss. Returns the mean loss; does not step.
     pub fn accumulate(&mut self, batch: &Batch, microbatch: usize) -> Result<f32, StageError> {
+        self.accumulate_via(batch, microbatch, &mut ())
+    }
+
+    /// [`LocalPipeline::accumulate`] with tensors passing through `transit` between stages.
+    pub fn accumulate_via(
+        &mut self,
+        batch: &Batch,
+        microbatch: usize,
+        transit: &mut dyn Transit,
+    ) -> Result<f32, StageError> {
         let microbatch = microbatch.clamp(1, batch.batch.max(1));
         let count = batch.batch.div_ceil(microbatch);
         let mut loss_sum = 0.0f64;
@@ -110,13 +140,19 @@ impl<B: Backend> LocalPipeline<B> {
                     StageInput::Activations(&acts)
                 };
                 match stage.forward(id, shape, input, Some(targets))? {
-                    StageOutput::Activations(a) => acts = a,
+                    StageOutput::Activations(a) => {
+                        acts = a;
+                        transit.activations(i, &mut acts);
+                    }
                     StageOutput::Loss(l) => loss_sum += l as f64 * weight as f64,
                 }
             }
             let mut grad: Option<Vec<f32>> = None;
-            for stage in self.stages.iter_mut().rev() {
+            for (i, stage) in self.stages.iter_mut().enumerate().rev() {
                 grad = stage.backward(id, grad.as_deref(), weight)?;
+                if let Some(g) = grad.as_mut() {
+                    transit.activation_grads(i, g);
+                }
             }
         }
         Ok(loss_sum as f32)
@@ -148,7 +184,24 @@ impl<B: Backend> LocalPipeline<B> {
         batch: &Batch,
         microbatch: usize,
     ) -> Result<StepStats, StageError> {
-        let loss = self.accumulate(batch, microbatch)?;
+        self.train_step_via(batch, microbatch, &mut ())
+    }
+
+    /// [`LocalPipeline::train_step`] with tensors passing through `transit`.
+    pub fn train_step_via(
+        &mut self,
+        batch: &Batch,
+        microbatch: usize,
+        transit: &mut dyn Transit,
+    ) -> Result<StepStats, StageError> {
+        let loss = self.accumulate_via(batch, microbatch, transit)?;
+        if transit.touches_param_grads() {
+            for (i, s) in self.stages.iter_mut().enumerate() {
+                let mut g = s.download_grads()?;
+                transit.param_grads(i, &mut g);
+                s.upload_grads(&g)?;
+            }
+        }
         let grad_norm = self.reduce_grads()?;
         let lr = self.schedule.lr(self.step);
         let scale = self.optimizer.clip_scale(grad_norm);

@@ -325,6 +325,20 @@ fn layout(config: &ModelConfig, spec: StageSpec) -> StageTensors<TensorInfo> {
     }
 }
 
+fn upload_all<B: Backend>(
+    backend: &B,
+    info: &StageTensors<TensorInfo>,
+    tensors: &mut StageTensors<B::Buffer>,
+    values: &[f32],
+) -> Result<(), StageError> {
+    let mut offset = 0;
+    for (info, t) in info.iter().zip(tensors.iter_mut()) {
+        backend.write(t, &values[offset..offset + info.len])?;
+        offset += info.len;
+    }
+    Ok(())
+}
+
 /// FNV-1a, to give each tensor name a stable seed.
 fn name_hash(name: &str) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
@@ -1103,14 +1117,21 @@ impl<B: Backend> Stage<B> {
 
     /// Overwrites all parameters from a concatenation in storage order.
     pub fn upload_params(&mut self, values: &[f32]) -> Result<(), StageError> {
+        self.check_flat_len(values.len())?;
+        upload_all(&*self.backend, &self.info, &mut self.params, values)
+    }
+
+    /// Overwrites all parameter gradients from a concatenation in storage order (e.g. after
+    /// averaging them with other replicas).
+    pub fn upload_grads(&mut self, values: &[f32]) -> Result<(), StageError> {
+        self.check_flat_len(values.len())?;
+        upload_all(&*self.backend, &self.info, &mut self.grads, values)
+    }
+
+    fn check_flat_len(&self, len: usize) -> Result<(), StageError> {
         let total = self.param_count();
-        if values.len() != total {
-            return Err(self.bad_input(format!("{} parameters, expected {total}", values.len())));
-        }
-        let mut offset = 0;
-        for (info, p) in self.info.iter().zip(self.params.iter_mut()) {
-            self.backend.write(p, &values[offset..offset + info.len])?;
-            offset += info.len;
+        if len != total {
+            return Err(self.bad_input(format!("{len} values, expected {total}")));
         }
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! `shoal bench`: performance measurements printed as JSON for tools and as a sentence for
 //! people.
 
-use crate::cli::BenchComputeArgs;
+use crate::cli::{BenchCodecArgs, BenchComputeArgs};
 use serde::Serialize;
 use shoal_compute::{
     AdamW, Backend, Corpus, CpuBackend, DataLoader, LocalPipeline, LrSchedule, Shard,
@@ -84,6 +84,142 @@ pub fn compute(args: BenchComputeArgs) -> anyhow::Result<()> {
             result.tokens_per_s,
             result.gflops
         );
+    }
+    Ok(())
+}
+
+#[derive(Debug, Serialize)]
+struct CodecFigures {
+    /// Input bytes (fp32) encoded per second, one thread.
+    encode_gbps: f64,
+    /// Input-equivalent bytes (fp32) decoded per second, one thread.
+    decode_gbps: f64,
+    /// Values encoded per second, in millions.
+    encode_mvalues_s: f64,
+    /// fp32 bytes / encoded bytes (header included).
+    ratio: f64,
+    max_abs_error: f64,
+    rms_error: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct CodecBench {
+    values: usize,
+    /// Input distribution of the test tensor.
+    data: &'static str,
+    /// One-thread copy of the same number of bytes, for scale.
+    memcpy_gbps: f64,
+    codecs: std::collections::BTreeMap<String, CodecFigures>,
+}
+
+/// The fastest of `rounds` runs of `f`, in seconds.
+fn fastest(rounds: usize, mut f: impl FnMut()) -> f64 {
+    (0..rounds)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+pub fn codec(args: BenchCodecArgs) -> anyhow::Result<()> {
+    use shoal_protocol::{Codec, Decoder, Encoder, ValueFormat};
+    let n = args.values;
+    // Gaussian values with a few large outliers, like activations and gradients.
+    let mut rng = shoal_compute::rng::Rng::new(1);
+    let input: Vec<f32> = (0..n)
+        .map(|i| {
+            let v = rng.normal() as f32;
+            if i % 997 == 0 { v * 20.0 } else { v }
+        })
+        .collect();
+    let bytes = 4.0 * n as f64;
+    let mut copy = vec![0f32; n];
+    let memcpy = fastest(args.rounds, || {
+        copy.copy_from_slice(std::hint::black_box(&input))
+    });
+    let memcpy_gbps = bytes / memcpy / 1e9;
+
+    let codecs = [
+        Codec::Fp32,
+        Codec::Fp16,
+        Codec::Bf16,
+        Codec::Int8 { block: 32 },
+        Codec::Int8 { block: 64 },
+        Codec::Int8 { block: 128 },
+        Codec::Int8 { block: 256 },
+        Codec::TopK {
+            ppm: 10_000,
+            values: ValueFormat::Fp16,
+        },
+        Codec::TopK {
+            ppm: 10_000,
+            values: ValueFormat::Int8,
+        },
+        Codec::TopK {
+            ppm: 1_000,
+            values: ValueFormat::Fp16,
+        },
+    ];
+    let mut encoder = Encoder::new();
+    let mut decoder = Decoder::new();
+    let mut encoded = Vec::new();
+    let mut decoded = Vec::new();
+    let mut results = std::collections::BTreeMap::new();
+    for codec in codecs {
+        let enc = fastest(args.rounds, || {
+            encoder
+                .encode(codec, std::hint::black_box(&input), &[n], &mut encoded)
+                .map(|_| ())
+                .unwrap_or(())
+        });
+        encoder.encode(codec, &input, &[n], &mut encoded)?;
+        let dec = fastest(args.rounds, || {
+            decoder
+                .decode(std::hint::black_box(&encoded), &mut decoded)
+                .map(|_| ())
+                .unwrap_or(())
+        });
+        decoder.decode(&encoded, &mut decoded)?;
+        let (mut max_err, mut sq) = (0f64, 0f64);
+        for (a, b) in input.iter().zip(&decoded) {
+            let e = (*a as f64 - *b as f64).abs();
+            max_err = max_err.max(e);
+            sq += e * e;
+        }
+        results.insert(
+            codec.to_string(),
+            CodecFigures {
+                encode_gbps: bytes / enc / 1e9,
+                decode_gbps: bytes / dec / 1e9,
+                encode_mvalues_s: n as f64 / enc / 1e6,
+                ratio: bytes / encoded.len() as f64,
+                max_abs_error: max_err,
+                rms_error: (sq / n as f64).sqrt(),
+            },
+        );
+    }
+    let report = CodecBench {
+        values: n,
+        data: "normal(0,1), every 997th value x20",
+        memcpy_gbps,
+        codecs: results,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{n} values; memcpy {memcpy_gbps:.2} GB/s on one core");
+        println!(
+            "{:<16} {:>10} {:>10} {:>8} {:>12} {:>12}",
+            "codec", "enc GB/s", "dec GB/s", "ratio", "max err", "rms err"
+        );
+        for (name, f) in &report.codecs {
+            println!(
+                "{:<16} {:>10.2} {:>10.2} {:>8.2} {:>12.3e} {:>12.3e}",
+                name, f.encode_gbps, f.decode_gbps, f.ratio, f.max_abs_error, f.rms_error
+            );
+        }
     }
     Ok(())
 }

@@ -25,6 +25,21 @@ pub enum Command {
 pub enum BenchCommand {
     /// Time full training steps (forward, backward, AdamW).
     Compute(BenchComputeArgs),
+    /// Measure the tensor codecs (speed on one core, size, error).
+    Codec(BenchCodecArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchCodecArgs {
+    /// Values in the test tensor (the memcpy baseline copies the same number of bytes).
+    #[arg(long, default_value = "16777216", value_parser = positive)]
+    pub values: usize,
+    /// Timed repetitions of each operation (the fastest is reported).
+    #[arg(long, default_value = "5", value_parser = positive)]
+    pub rounds: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 fn positive(s: &str) -> Result<usize, String> {

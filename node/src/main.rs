@@ -41,6 +41,7 @@ fn main() -> ExitCode {
     let result = match args.command {
         cli::Command::Train(a) => train::run(a),
         cli::Command::Bench(cli::BenchCommand::Compute(a)) => bench::compute(a),
+        cli::Command::Bench(cli::BenchCommand::Codec(a)) => bench::codec(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

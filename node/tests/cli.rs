@@ -182,3 +182,25 @@ fn bench_compute_prints_one_json_object() {
     }
     assert!(json["step_ms_median"].as_f64().unwrap() > 0.0);
 }
+
+#[test]
+fn bench_codec_prints_one_json_object() {
+    let out = shoal(&[
+        "bench", "codec", "--values", "4096", "--rounds", "1", "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(json["memcpy_gbps"].as_f64().unwrap() > 0.0);
+    for codec in ["fp32", "fp16", "bf16", "int8", "topk:1%"] {
+        let c = &json["codecs"][codec];
+        for key in ["encode_gbps", "decode_gbps", "ratio", "max_abs_error"] {
+            assert!(c[key].is_number(), "{codec} lacks {key}");
+        }
+    }
+    assert_eq!(json["codecs"]["fp32"]["max_abs_error"], 0.0);
+    assert!(json["codecs"]["int8"]["ratio"].as_f64().unwrap() > 3.5);
+}

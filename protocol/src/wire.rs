@@ -214,3 +214,80 @@ pub fn decode_control<T: DeserializeOwned>(payload: &[u8]) -> Result<T, WireErro
     }
     Ok(msg)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, PartialEq, Serialize, Deserialize)]
+    struct Hello {
+        run: [u8; 8],
+        peers: Vec<String>,
+    }
+
+    #[test]
+    fn control_messages_round_trip() {
+        let limits = FrameLimits::default();
+        let msg = Hello {
+            run: *b"run-0001",
+            peers: vec!["a".into(), "bb".into()],
+        };
+        let mut out = Vec::new();
+        write_control(&msg, &limits, &mut out).unwrap();
+        let (header, payload) = read_frame(&out, &limits).unwrap();
+        assert_eq!(header.kind, FrameKind::Control);
+        assert_eq!(decode_control::<Hello>(payload).unwrap(), msg);
+    }
+
+    #[test]
+    fn newer_peers_and_oversized_frames_get_typed_errors() {
+        let limits = FrameLimits {
+            max_control_len: 16,
+            max_tensor_len: 64,
+        };
+        let mut frame = Vec::new();
+        write_frame(FrameKind::Tensor, &[0; 8], &mut frame).unwrap();
+        let mut newer = frame.clone();
+        newer[4..6].copy_from_slice(&(PROTOCOL_VERSION + 1).to_le_bytes());
+        assert_eq!(
+            read_frame(&newer, &limits),
+            Err(WireError::UnsupportedVersion {
+                got: PROTOCOL_VERSION + 1,
+                supported: PROTOCOL_VERSION
+            })
+        );
+        let mut unknown = frame.clone();
+        unknown[6] = 7;
+        assert_eq!(
+            read_frame(&unknown, &limits),
+            Err(WireError::UnknownKind(7))
+        );
+        let mut big = Vec::new();
+        write_frame(FrameKind::Control, &[0; 17], &mut big).unwrap();
+        assert_eq!(
+            FrameHeader::parse(&big, &limits),
+            Err(WireError::TooLarge {
+                kind: FrameKind::Control,
+                len: 17,
+                max: 16
+            })
+        );
+        assert!(matches!(
+            read_frame(&frame[..15], &limits),
+            Err(WireError::Truncated { .. })
+        ));
+        assert!(matches!(
+            read_frame(b"HTTP/1.1 200 OK", &limits),
+            Err(WireError::BadMagic(_))
+        ));
+        let too_big = Hello {
+            run: [0; 8],
+            peers: vec!["x".repeat(20)],
+        };
+        assert!(matches!(
+            write_control(&too_big, &limits, &mut Vec::new()),
+            Err(WireError::Unsendable(_))
+        ));
+    }
+}
