@@ -100,6 +100,9 @@ struct CodecFigures {
     ratio: f64,
     max_abs_error: f64,
     rms_error: f64,
+    /// Top-k only: bytes of the delta-coded index stream before and after zstd.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    index_bytes: Option<(u32, u32)>,
 }
 
 #[derive(Debug, Serialize)]
@@ -197,6 +200,12 @@ pub fn codec(args: BenchCodecArgs) -> anyhow::Result<()> {
                 ratio: bytes / encoded.len() as f64,
                 max_abs_error: max_err,
                 rms_error: (sq / n as f64).sqrt(),
+                index_bytes: matches!(codec, Codec::TopK { .. }).then(|| {
+                    // Top-k payload: flags, raw index length, stored index length, ...
+                    let p = &encoded[shoal_protocol::codec::TENSOR_HEADER_LEN..];
+                    let field = |o: usize| u32::from_le_bytes([p[o], p[o + 1], p[o + 2], p[o + 3]]);
+                    (field(1), field(5))
+                }),
             },
         );
     }

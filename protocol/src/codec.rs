@@ -269,8 +269,13 @@ impl Shape {
         let mut out = [0u32; MAX_DIMS];
         let mut numel: u64 = 1;
         for (o, &d) in out.iter_mut().zip(dims) {
-            numel = numel.saturating_mul(d as u64);
             *o = u32::try_from(d).map_err(|_| CodecError::BadShape(format!("dimension {d}")))?;
+            // Every prefix product must fit, even when a later dimension is zero: `numel`
+            // multiplies in the same order.
+            numel = numel
+                .checked_mul(d as u64)
+                .filter(|&n| n <= MAX_TENSOR_ELEMENTS as u64)
+                .ok_or_else(|| CodecError::BadShape(format!("dimensions {dims:?} overflow")))?;
         }
         if numel > MAX_TENSOR_ELEMENTS as u64 {
             return Err(CodecError::TooLarge {
@@ -945,6 +950,17 @@ fn read_int8(payload: &[u8], block: usize, out: &mut [f32]) {
     dequantize_blocks(scales, values, block, out);
 }
 
+/// Decodes a dense payload whose length the header has already checked.
+fn decode_dense(encoding: Encoding, payload: &[u8], out: &mut [f32]) {
+    match encoding {
+        Encoding::Fp32 => le_to_f32(payload, out),
+        Encoding::Fp16 => read_fp16(payload, out),
+        Encoding::Bf16 => bf16_to_f32(payload, out),
+        Encoding::Int8 { block } => read_int8(payload, block as usize, out),
+        Encoding::TopK { .. } => unreachable!("top-k is not a dense encoding"),
+    }
+}
+
 /// Reusable state for decoding.
 pub struct Decoder {
     max_elements: usize,
@@ -1007,16 +1023,13 @@ impl Decoder {
         out.clear();
         out.resize(n, 0.0);
         match header.encoding {
-            Encoding::Fp32 => le_to_f32(payload, out),
-            Encoding::Fp16 => read_fp16(payload, out),
-            Encoding::Bf16 => bf16_to_f32(payload, out),
-            Encoding::Int8 { block } => read_int8(payload, block as usize, out),
             Encoding::TopK { k, values } => {
                 if let Err(e) = self.read_topk(payload, k as usize, values, out) {
                     out.clear();
                     return Err(e);
                 }
             }
+            dense => decode_dense(dense, payload, out),
         }
         Ok(header)
     }
@@ -1121,6 +1134,7 @@ impl Decoder {
 pub struct ErrorFeedback {
     residual: Vec<f32>,
     decoded: Vec<f32>,
+    bytes: Vec<u8>,
 }
 
 impl ErrorFeedback {
@@ -1156,15 +1170,16 @@ impl ErrorFeedback {
                 let (idx, vals) = encoder.kept();
                 self.decoded.clear();
                 self.decoded.resize(vals.len(), 0.0);
-                let mut bytes = Vec::with_capacity(2 * vals.len() + 4);
+                let bytes = &mut self.bytes;
+                bytes.clear();
                 match values {
                     ValueFormat::Fp16 => {
-                        write_fp16(vals, &mut bytes);
-                        read_fp16(&bytes, &mut self.decoded);
+                        write_fp16(vals, bytes);
+                        read_fp16(bytes, &mut self.decoded);
                     }
                     ValueFormat::Int8 => {
-                        write_int8(vals, vals.len().max(1), &mut bytes);
-                        read_int8(&bytes, vals.len().max(1), &mut self.decoded);
+                        write_int8(vals, vals.len().max(1), bytes);
+                        read_int8(bytes, vals.len().max(1), &mut self.decoded);
                     }
                 }
                 for (&i, &d) in idx.iter().zip(&self.decoded) {
@@ -1172,8 +1187,13 @@ impl ErrorFeedback {
                 }
             }
             _ => {
-                let mut decoder = Decoder::new();
-                decoder.decode(out, &mut self.decoded)?;
+                self.decoded.clear();
+                self.decoded.resize(input.len(), 0.0);
+                decode_dense(
+                    header.encoding,
+                    &out[TENSOR_HEADER_LEN..],
+                    &mut self.decoded,
+                );
                 sub_assign(&mut self.residual, &self.decoded);
             }
         }

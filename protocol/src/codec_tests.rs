@@ -154,6 +154,20 @@ fn error_feedback_residual_stays_bounded_over_many_rounds() {
 }
 
 #[test]
+fn shapes_whose_product_overflows_before_a_zero_are_rejected() {
+    // Found by cargo fuzz: huge dimensions followed by a zero used to pass validation (the
+    // saturated product times zero is zero) and then overflow when counting elements.
+    let mut msg = encode_to_vec(Codec::Fp16, &[], &[0]).unwrap();
+    msg[3] = 4;
+    for (i, d) in [65529u32, 2_424_987, 0x4100_0000, 0].iter().enumerate() {
+        msg[8 + 4 * i..12 + 4 * i].copy_from_slice(&d.to_le_bytes());
+    }
+    assert!(matches!(decode_to_vec(&msg), Err(CodecError::BadShape(_))));
+    assert!(Shape::new(&[1 << 20, 1 << 20, 0]).is_err());
+    assert_eq!(Shape::new(&[0, 5]).unwrap().numel(), 0);
+}
+
+#[test]
 fn codec_names_parse_and_print() {
     for s in [
         "fp32",
