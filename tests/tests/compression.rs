@@ -158,3 +158,91 @@ fn topk_gradients_with_error_feedback_measured_against_fp32() {
         }
     }
 }
+
+/// DiLoCo in one process: `replicas` copies of nano take `inner` local AdamW steps on their
+/// own data shards, then average their pseudo-gradients (start-of-round parameters minus
+/// current ones) through `codec` (with error feedback per replica) and apply an outer Nesterov
+/// step (learning rate 0.7, momentum 0.9, as in the DiLoCo paper). Returns the held-out loss
+/// and the bytes each replica sent per round.
+fn diloco(codec: Codec, replicas: usize, inner: usize, rounds: usize) -> (f32, usize) {
+    let preset = Preset::Nano;
+    let config = preset.config();
+    let total = (inner * rounds) as u64;
+    let mut workers: Vec<_> = (0..replicas)
+        .map(|r| {
+            let pipeline = LocalPipeline::new(
+                Arc::new(CpuBackend::new(1).unwrap()),
+                config,
+                1,
+                5,
+                AdamW::default(),
+                LrSchedule::for_steps(preset.default_lr(), total),
+            )
+            .unwrap();
+            let shard = Shard::new(r as u64, replicas as u64).unwrap();
+            let data = DataLoader::new(Corpus::synthetic(5), 5, shard, config.context).unwrap();
+            (pipeline, data, ErrorFeedback::new())
+        })
+        .collect();
+    let mut global = workers[0].0.stages()[0].download_params().unwrap();
+    let mut momentum = vec![0f32; global.len()];
+    let (mut encoder, mut decoder) = (Encoder::new(), Decoder::new());
+    let (mut bytes, mut decoded) = (Vec::new(), Vec::new());
+    let mut sent = 0;
+    for _ in 0..rounds {
+        let mut average = vec![0f32; global.len()];
+        for (pipeline, data, feedback) in &mut workers {
+            pipeline.stages_mut()[0].upload_params(&global).unwrap();
+            for _ in 0..inner {
+                pipeline.train_step(&data.next_batch(16), 16).unwrap();
+            }
+            let local = pipeline.stages()[0].download_params().unwrap();
+            let delta: Vec<f32> = global.iter().zip(&local).map(|(g, l)| g - l).collect();
+            feedback
+                .encode(&mut encoder, codec, &delta, &[delta.len()], &mut bytes)
+                .unwrap();
+            sent = bytes.len();
+            decoder.decode(&bytes, &mut decoded).unwrap();
+            for (a, d) in average.iter_mut().zip(&decoded) {
+                *a += d / replicas as f32;
+            }
+        }
+        for ((p, m), d) in global.iter_mut().zip(&mut momentum).zip(&average) {
+            *m = 0.9 * *m + d;
+            *p -= 0.7 * (d + 0.9 * *m);
+        }
+    }
+    let (pipeline, _, _) = &mut workers[0];
+    pipeline.stages_mut()[0].upload_params(&global).unwrap();
+    let mut held_out =
+        DataLoader::new(Corpus::synthetic(5), 77, Shard::ALL, config.context).unwrap();
+    (pipeline.evaluate(&held_out.next_batch(128)).unwrap(), sent)
+}
+
+/// Top-k with error feedback on DiLoCo pseudo-gradients: prints the gap to fp32 averaging at
+/// several fractions (the README's table); run with `--ignored --nocapture`.
+#[test]
+#[ignore = "measurement for the README; run with --ignored --nocapture"]
+fn topk_pseudo_gradients_with_error_feedback_measured_against_fp32() {
+    let (replicas, inner, rounds) = (2, 10, 30);
+    let (baseline, dense_bytes) = diloco(Codec::Fp32, replicas, inner, rounds);
+    for ppm in [1_000_000, 100_000, 10_000] {
+        let topk = Codec::TopK {
+            ppm,
+            values: ValueFormat::Fp16,
+        };
+        let (loss, sparse_bytes) = diloco(topk, replicas, inner, rounds);
+        eprintln!(
+            "DiLoCo nano, {replicas} replicas, H={inner}, {rounds} rounds: fp32 {baseline:.4}, \
+             {topk} + EF {loss:.4} ({:+.1}%), {:.1}x fewer bytes",
+            100.0 * (loss - baseline) / baseline,
+            dense_bytes as f64 / sparse_bytes as f64
+        );
+        if ppm == 1_000_000 {
+            assert!(
+                (loss - baseline).abs() <= 0.01 * baseline,
+                "fp16 pseudo-gradients: {loss}"
+            );
+        }
+    }
+}
