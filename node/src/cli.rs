@@ -16,9 +16,39 @@ pub struct Cli {
 pub enum Command {
     /// Train a model in this process, all stages local.
     Train(TrainArgs),
+    /// Join the network and serve it (bootstrap, relay, discovery) without training.
+    Node(NodeArgs),
     /// Measure performance.
     #[command(subcommand)]
     Bench(BenchCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    /// The key file of this node's identity (created on first run, owner-only).
+    #[arg(long)]
+    pub identity: Option<PathBuf>,
+    /// Address to listen on (repeatable; default: QUIC on all interfaces, any port).
+    #[arg(long)]
+    pub listen: Vec<libp2p::Multiaddr>,
+    /// Listen on nothing at start (reachable only through relays or outgoing connections).
+    #[arg(long, conflicts_with = "listen")]
+    pub no_listen: bool,
+    /// A peer to join through, e.g. /ip4/1.2.3.4/udp/4001/quic-v1/p2p/12D3... (repeatable).
+    #[arg(long)]
+    pub bootstrap: Vec<libp2p::Multiaddr>,
+    /// Do not look for peers on the LAN with multicast DNS.
+    #[arg(long)]
+    pub no_mdns: bool,
+    /// Relay traffic for peers that cannot be reached directly.
+    #[arg(long)]
+    pub relay_server: bool,
+    /// The run (or public swarm) to join.
+    #[arg(long, default_value = "public")]
+    pub run: String,
+    /// Read commands from stdin and print events to stdout, one JSON object per line.
+    #[arg(long)]
+    pub control: bool,
 }
 
 #[derive(Debug, Subcommand)]

@@ -6,6 +6,7 @@
 
 mod bench;
 mod cli;
+mod node;
 mod report;
 mod train;
 
@@ -40,6 +41,7 @@ fn main() -> ExitCode {
         .init();
     let result = match args.command {
         cli::Command::Train(a) => train::run(a),
+        cli::Command::Node(a) => node::run(a),
         cli::Command::Bench(cli::BenchCommand::Compute(a)) => bench::compute(a),
         cli::Command::Bench(cli::BenchCommand::Codec(a)) => bench::codec(a),
     };

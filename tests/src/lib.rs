@@ -1,7 +1,179 @@
 //! shoal-tests: behaviour across crates, tested end to end.
 //!
-//! The tests live in `tests/tests/`: training outcomes on the built-in corpus, and (as the
-//! network and simulator land) multi-process swarms on loopback and netsim scenarios. This
-//! crate exports nothing; it must never be a dependency of another crate, and its tests assert
-//! outcomes a user would care about (the loss fell, the peer recovered, the bytes match), never
-//! wall-clock timings.
+//! The tests live in `tests/tests/`: training outcomes on the built-in corpus, compression
+//! through stage boundaries, and swarms of real `shoal` processes on loopback. This library
+//! holds what those tests share: starting a `shoal node --control` process and talking to it.
+//! It must never be a dependency of a shipped crate, and the tests assert outcomes a user
+//! would care about (the loss fell, the peer recovered, the bytes match), never wall-clock
+//! timings.
+
+use serde_json::{Value, json};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// The `shoal` binary of this build (built on demand if the test run did not build it).
+pub fn shoal_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> -> target/<profile>/shoal
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target directory");
+    let bin = dir.join(format!("shoal{}", std::env::consts::EXE_SUFFIX));
+    if !bin.exists() {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let release = dir.file_name().is_some_and(|n| n == "release");
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "-p", "shoal-node", "--bin", "shoal"]);
+        if release {
+            cmd.arg("--release");
+        }
+        let status = cmd.status().expect("run cargo build");
+        assert!(status.success(), "building shoal failed");
+    }
+    bin
+}
+
+/// A `shoal node --control` process: commands go in as JSON lines, events come out.
+pub struct NodeProcess {
+    /// The node's PeerId.
+    pub peer: String,
+    /// Its first loopback listen address (with `/p2p/<id>`).
+    pub addr: String,
+    child: Child,
+    stdin: ChildStdin,
+    events: mpsc::Receiver<Value>,
+    /// Every event received so far, in order.
+    pub seen: Vec<Value>,
+}
+
+impl NodeProcess {
+    /// Starts a node with a fresh identity in `dir` and `extra` flags, and waits until it
+    /// listens on loopback.
+    pub fn start(dir: &Path, name: &str, extra: &[&str]) -> NodeProcess {
+        let mut node = Self::spawn(dir, name, extra);
+        let listening = node.wait_for(Duration::from_secs(30), |e| {
+            e["event"] == "listening" && e["addr"].as_str().is_some_and(|a| a.contains("127.0.0.1"))
+        });
+        node.addr = listening["addr"].as_str().expect("address").to_owned();
+        node
+    }
+
+    /// Starts a node that listens on no address of its own (`--listen` is given a relay
+    /// circuit later, or nothing).
+    pub fn start_without_listen(dir: &Path, name: &str, extra: &[&str]) -> NodeProcess {
+        Self::spawn(dir, name, &[&["--no-listen"], extra].concat())
+    }
+
+    fn spawn(dir: &Path, name: &str, extra: &[&str]) -> NodeProcess {
+        let identity = dir.join(format!("{name}.key"));
+        let mut child = Command::new(shoal_binary())
+            .args(["node", "--control", "--identity"])
+            .arg(&identity)
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start shoal node");
+        let stdin = child.stdin.take().expect("stdin");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, events) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                    if tx.send(v).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let mut node = NodeProcess {
+            peer: String::new(),
+            addr: String::new(),
+            child,
+            stdin,
+            events,
+            seen: Vec::new(),
+        };
+        let started = node.wait_for(Duration::from_secs(60), |e| e["event"] == "started");
+        node.peer = started["peer"].as_str().expect("peer id").to_owned();
+        node
+    }
+
+    /// Sends a command.
+    pub fn send(&mut self, command: Value) {
+        writeln!(self.stdin, "{command}").expect("write command");
+        self.stdin.flush().expect("flush command");
+    }
+
+    /// Waits for the next event (new or already seen) matching `pred`; panics after `timeout`.
+    pub fn wait_for(&mut self, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+        if let Some(v) = self.seen.iter().find(|v| pred(v)) {
+            return v.clone();
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.events.recv_timeout(left) {
+                Ok(v) => {
+                    self.seen.push(v.clone());
+                    if pred(&v) {
+                        return v;
+                    }
+                }
+                Err(_) => panic!(
+                    "node {} ({}): no matching event within {timeout:?}; saw {:?}",
+                    self.peer,
+                    self.addr,
+                    self.seen.iter().rev().take(10).collect::<Vec<_>>()
+                ),
+            }
+        }
+    }
+
+    /// Collects every event that arrives within `window`.
+    pub fn drain(&mut self, window: Duration) {
+        let deadline = Instant::now() + window;
+        while let Ok(v) = self
+            .events
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+        {
+            self.seen.push(v);
+        }
+    }
+
+    /// Asks for a tensor of `values` values from `seed` to be sent to `peer`.
+    pub fn send_tensor(&mut self, peer: &str, values: usize, seed: u64) {
+        self.send(json!({"op": "send", "peer": peer, "values": values, "seed": seed}));
+    }
+
+    /// Kills the process with SIGKILL.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for NodeProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A fresh temporary directory for one test.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("shoal-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create temp dir");
+    dir
+}

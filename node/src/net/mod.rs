@@ -1,0 +1,523 @@
+//! The node's network: a libp2p swarm on QUIC with discovery (bootstrap addresses, Kademlia,
+//! identify, mDNS), membership gossip, NAT traversal (AutoNAT, circuit relay, DCUtR) and
+//! tensor streams, every resource bounded.
+//!
+//! [`start`] builds the swarm and spawns its event loop; the application talks to it through a
+//! [`NodeHandle`] (commands, and a stream control for tensors) and receives [`NodeEvent`]s and
+//! [`InboundFrame`]s on bounded channels.
+
+pub mod identity;
+pub mod tensor;
+
+use anyhow::Context;
+use futures::StreamExt;
+use libp2p::swarm::behaviour::toggle::Toggle;
+use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
+use libp2p::{
+    Multiaddr, PeerId, StreamProtocol, Swarm, autonat, connection_limits, dcutr, gossipsub,
+    identify, identity::Keypair, kad, mdns, multiaddr::Protocol, noise, ping, relay, yamux,
+};
+use std::collections::HashSet;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+pub use tensor::{InboundFrame, TransportLimits};
+
+/// Kademlia protocol of shoal's own DHT (separate from IPFS's).
+const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/kad/1");
+/// identify's protocol version string: peers of other networks are not added to the DHT.
+const IDENTIFY_VERSION: &str = "/shoal/1";
+
+/// QUIC receive windows sized to the bandwidth-delay product of the links shoal targets:
+/// 1 Gbit/s at 100 ms RTT needs 12.5 MB in flight, so a stream may have 16 MiB unacknowledged
+/// and a connection (several tensors at once) 48 MiB. libp2p-quic does not expose quinn's send
+/// window, which stays at quinn's default (10 MB): with it one connection moves at most about
+/// 10 MB per round trip, ~100 MB/s at 100 ms RTT.
+const STREAM_RECEIVE_WINDOW: u32 = 16 << 20;
+const CONNECTION_RECEIVE_WINDOW: u32 = 48 << 20;
+/// A silent peer is declared gone after this long (keep-alives go out every second, so a
+/// live peer is never idle that long even when no tensor flows).
+const IDLE_TIMEOUT_MS: u32 = 5_000;
+const KEEP_ALIVE: Duration = Duration::from_secs(1);
+
+/// How a node joins the network.
+#[derive(Clone, Debug)]
+pub struct NetConfig {
+    /// Addresses to listen on.
+    pub listen: Vec<Multiaddr>,
+    /// Peers to dial at start.
+    pub bootstrap: Vec<Multiaddr>,
+    /// Find peers on the LAN by multicast DNS.
+    pub mdns: bool,
+    /// Serve as a circuit relay for peers behind NATs.
+    pub relay_server: bool,
+    /// The run (or public swarm) whose gossip topics this node joins.
+    pub run: String,
+    /// Caps on connections.
+    pub max_connections: u32,
+    /// Caps on connections per peer.
+    pub max_connections_per_peer: u32,
+    /// Caps on connections being set up.
+    pub max_pending: u32,
+    /// Caps on tensor streams and frames.
+    pub transport: TransportLimits,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        NetConfig {
+            listen: vec![
+                "/ip4/0.0.0.0/udp/0/quic-v1"
+                    .parse()
+                    .unwrap_or_else(|_| Multiaddr::empty()),
+            ],
+            bootstrap: Vec::new(),
+            mdns: true,
+            relay_server: false,
+            run: "public".into(),
+            max_connections: 256,
+            max_connections_per_peer: 4,
+            max_pending: 64,
+            transport: TransportLimits::default(),
+        }
+    }
+}
+
+/// What the network tells the application.
+#[derive(Clone, Debug)]
+pub enum NodeEvent {
+    /// A listen address is ready (with `/p2p/<id>` appended).
+    Listening(Multiaddr),
+    /// A connection to a peer is up.
+    Connected(PeerId),
+    /// The last connection to a peer closed (it left, crashed or became unreachable).
+    Disconnected(PeerId),
+    /// A shoal peer was identified and added to the routing table.
+    Discovered(PeerId),
+    /// A gossip message on the run's topic.
+    Gossip {
+        /// The author (messages are signed).
+        from: PeerId,
+        /// The message.
+        data: Vec<u8>,
+    },
+    /// A relay reservation was accepted: reachable through `relay` now.
+    RelayReservation(Multiaddr),
+    /// A direct connection replaced a relayed one (hole punching worked).
+    HolePunched(PeerId),
+}
+
+enum Command {
+    Publish(Vec<u8>, oneshot::Sender<anyhow::Result<()>>),
+    Dial(Multiaddr),
+    Listen(Multiaddr),
+    Peers(oneshot::Sender<Vec<PeerId>>),
+}
+
+/// The application's side of a running node.
+#[derive(Clone)]
+pub struct NodeHandle {
+    /// This node's PeerId.
+    pub peer_id: PeerId,
+    commands: mpsc::Sender<Command>,
+    streams: libp2p_stream::Control,
+    limits: TransportLimits,
+}
+
+impl NodeHandle {
+    /// Publishes `data` on the run's gossip topic.
+    pub async fn publish(&self, data: Vec<u8>) -> anyhow::Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(Command::Publish(data, tx))
+            .await
+            .context("node stopped")?;
+        rx.await.context("node stopped")?
+    }
+
+    /// Dials an address.
+    pub async fn dial(&self, addr: Multiaddr) -> anyhow::Result<()> {
+        self.commands
+            .send(Command::Dial(addr))
+            .await
+            .context("node stopped")
+    }
+
+    /// Listens on another address (e.g. a relay circuit).
+    pub async fn listen(&self, addr: Multiaddr) -> anyhow::Result<()> {
+        self.commands
+            .send(Command::Listen(addr))
+            .await
+            .context("node stopped")
+    }
+
+    /// Peers connected now.
+    pub async fn peers(&self) -> anyhow::Result<Vec<PeerId>> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(Command::Peers(tx))
+            .await
+            .context("node stopped")?;
+        rx.await.context("node stopped")
+    }
+
+    /// Sends one frame to `peer` on its own stream; resolves once the peer has it.
+    pub async fn send_frame(
+        &self,
+        peer: PeerId,
+        kind: shoal_protocol::FrameKind,
+        payload: &[u8],
+    ) -> Result<(), tensor::SendError> {
+        let mut control = self.streams.clone();
+        tensor::send_frame(&mut control, peer, kind, payload, &self.limits).await
+    }
+}
+
+#[derive(NetworkBehaviour)]
+struct Behaviour {
+    limits: connection_limits::Behaviour,
+    identify: identify::Behaviour,
+    kad: kad::Behaviour<kad::store::MemoryStore>,
+    gossipsub: gossipsub::Behaviour,
+    mdns: Toggle<mdns::tokio::Behaviour>,
+    autonat: autonat::Behaviour,
+    relay_client: relay::client::Behaviour,
+    relay_server: Toggle<relay::Behaviour>,
+    dcutr: dcutr::Behaviour,
+    ping: ping::Behaviour,
+    streams: libp2p_stream::Behaviour,
+}
+
+fn build_swarm(key: Keypair, config: &NetConfig) -> anyhow::Result<Swarm<Behaviour>> {
+    let swarm = libp2p::SwarmBuilder::with_existing_identity(key)
+        .with_tokio()
+        .with_quic_config(|mut quic| {
+            quic.max_stream_data = STREAM_RECEIVE_WINDOW;
+            quic.max_connection_data = CONNECTION_RECEIVE_WINDOW;
+            quic.max_idle_timeout = IDLE_TIMEOUT_MS;
+            quic.keep_alive_interval = KEEP_ALIVE;
+            // Streams per connection: tensor streams are capped per peer well below this.
+            quic.max_concurrent_stream_limit = 256;
+            quic
+        })
+        .with_relay_client(noise::Config::new, yamux::Config::default)?
+        .with_behaviour(|key, relay_client| {
+            let peer_id = key.public().to_peer_id();
+            let limits = connection_limits::ConnectionLimits::default()
+                .with_max_established(Some(config.max_connections))
+                .with_max_established_per_peer(Some(config.max_connections_per_peer))
+                .with_max_pending_incoming(Some(config.max_pending))
+                .with_max_pending_outgoing(Some(config.max_pending));
+            let mut kad_config = kad::Config::new(KAD_PROTOCOL);
+            kad_config.set_periodic_bootstrap_interval(Some(Duration::from_secs(30)));
+            let mut kad = kad::Behaviour::with_config(
+                peer_id,
+                kad::store::MemoryStore::new(peer_id),
+                kad_config,
+            );
+            // Every shoal node answers DHT queries: peers of a run are few and reachable.
+            kad.set_mode(Some(kad::Mode::Server));
+            let gossip_config = gossipsub::ConfigBuilder::default()
+                .heartbeat_interval(Duration::from_millis(500))
+                .validation_mode(gossipsub::ValidationMode::Strict)
+                .max_transmit_size(64 * 1024)
+                .build()
+                .map_err(|e| anyhow::anyhow!("gossipsub config: {e}"))?;
+            let gossipsub = gossipsub::Behaviour::new(
+                gossipsub::MessageAuthenticity::Signed(key.clone()),
+                gossip_config,
+            )
+            .map_err(|e| anyhow::anyhow!("gossipsub: {e}"))?;
+            let mdns = if config.mdns {
+                Some(mdns::tokio::Behaviour::new(
+                    mdns::Config::default(),
+                    peer_id,
+                )?)
+            } else {
+                None
+            };
+            let relay_server = config.relay_server.then(|| {
+                // libp2p's defaults (128 KiB and 2 minutes per circuit) suit signalling, not
+                // tensors: a relayed peer must be able to take part until hole punching or a
+                // direct route replaces the circuit.
+                let relay_config = relay::Config {
+                    max_circuit_bytes: 1 << 30,
+                    max_circuit_duration: Duration::from_secs(3600),
+                    ..relay::Config::default()
+                };
+                relay::Behaviour::new(peer_id, relay_config)
+            });
+            Ok(Behaviour {
+                limits: connection_limits::Behaviour::new(limits),
+                identify: identify::Behaviour::new(identify::Config::new(
+                    IDENTIFY_VERSION.into(),
+                    key.public(),
+                )),
+                kad,
+                gossipsub,
+                mdns: mdns.into(),
+                autonat: autonat::Behaviour::new(peer_id, autonat::Config::default()),
+                relay_client,
+                relay_server: relay_server.into(),
+                dcutr: dcutr::Behaviour::new(peer_id),
+                ping: ping::Behaviour::new(ping::Config::new()),
+                streams: libp2p_stream::Behaviour::new(),
+            })
+        })?
+        .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+        .build();
+    Ok(swarm)
+}
+
+/// The gossip topic of a run.
+fn topic(run: &str) -> gossipsub::IdentTopic {
+    gossipsub::IdentTopic::new(format!("shoal/{run}/announce/1"))
+}
+
+/// Starts a node: listens, dials the bootstrap peers and runs the swarm on a tokio task.
+pub async fn start(
+    key: Keypair,
+    config: NetConfig,
+) -> anyhow::Result<(
+    NodeHandle,
+    mpsc::Receiver<NodeEvent>,
+    mpsc::Receiver<InboundFrame>,
+)> {
+    let peer_id = key.public().to_peer_id();
+    let mut swarm = build_swarm(key, &config)?;
+    let topic = topic(&config.run);
+    swarm.behaviour_mut().gossipsub.subscribe(&topic)?;
+    for addr in &config.listen {
+        swarm
+            .listen_on(addr.clone())
+            .with_context(|| format!("cannot listen on {addr}"))?;
+    }
+    for addr in &config.bootstrap {
+        if let Some(Protocol::P2p(peer)) = addr.iter().last() {
+            swarm.behaviour_mut().kad.add_address(&peer, addr.clone());
+        }
+        swarm
+            .dial(addr.clone())
+            .with_context(|| format!("cannot dial {addr}"))?;
+    }
+    let mut streams = swarm.behaviour().streams.new_control();
+    let incoming = streams
+        .accept(tensor::TENSOR_PROTOCOL)
+        .map_err(|e| anyhow::anyhow!("tensor protocol: {e}"))?;
+    // Bounded queues: a slow application applies backpressure instead of growing memory.
+    let (event_tx, event_rx) = mpsc::channel(1024);
+    let (frame_tx, frame_rx) = mpsc::channel(16);
+    let (command_tx, command_rx) = mpsc::channel(64);
+    tokio::spawn(tensor::accept_frames(incoming, config.transport, frame_tx));
+    tokio::spawn(event_loop(
+        swarm,
+        topic,
+        config.relay_server,
+        command_rx,
+        event_tx,
+    ));
+    let handle = NodeHandle {
+        peer_id,
+        commands: command_tx,
+        streams,
+        limits: config.transport,
+    };
+    Ok((handle, event_rx, frame_rx))
+}
+
+async fn event_loop(
+    mut swarm: Swarm<Behaviour>,
+    topic: gossipsub::IdentTopic,
+    relay_server: bool,
+    mut commands: mpsc::Receiver<Command>,
+    events: mpsc::Sender<NodeEvent>,
+) {
+    let local = *swarm.local_peer_id();
+    let mut discovered = HashSet::new();
+    let mut pending_circuits: Vec<(PeerId, Multiaddr)> = Vec::new();
+    loop {
+        tokio::select! {
+            command = commands.recv() => match command {
+                None => break,
+                Some(Command::Publish(data, reply)) => {
+                    let result = swarm
+                        .behaviour_mut()
+                        .gossipsub
+                        .publish(topic.clone(), data)
+                        .map(|_| ())
+                        .map_err(|e| anyhow::anyhow!("gossip publish: {e}"));
+                    let _ = reply.send(result);
+                }
+                Some(Command::Dial(addr)) => {
+                    if let Err(e) = swarm.dial(addr.clone()) {
+                        tracing::warn!(%addr, "dial failed: {e}");
+                    }
+                }
+                Some(Command::Listen(addr)) => {
+                    // A relay circuit can only be reserved over a connection to the relay: wait
+                    // for it (the reservation would otherwise race the dial and be dropped).
+                    match circuit_relay(&addr) {
+                        Some(relay) if !swarm.is_connected(&relay) => {
+                            if let Err(e) = swarm.dial(relay_address(&addr)) {
+                                tracing::warn!(%addr, "cannot dial the relay: {e}");
+                            }
+                            pending_circuits.push((relay, addr));
+                        }
+                        _ => listen(&mut swarm, addr),
+                    }
+                }
+                Some(Command::Peers(reply)) => {
+                    let _ = reply.send(swarm.connected_peers().copied().collect());
+                }
+            },
+            event = swarm.select_next_some() => {
+                if let SwarmEvent::NewListenAddr { address, .. } = &event {
+                    // A relay serves only from confirmed external addresses. Whoever runs a
+                    // node with --relay-server declares it reachable where it listens (AutoNAT
+                    // confirms addresses of ordinary nodes).
+                    if relay_server {
+                        swarm.add_external_address(address.clone());
+                    }
+                }
+                if let SwarmEvent::ConnectionEstablished { peer_id, .. } = &event {
+                    let (ready, waiting) = std::mem::take(&mut pending_circuits)
+                        .into_iter()
+                        .partition(|(relay, _)| relay == peer_id);
+                    pending_circuits = waiting;
+                    for (_, addr) in ready {
+                        listen(&mut swarm, addr);
+                    }
+                }
+                let out = handle_event(&mut swarm, event, local, &mut discovered);
+                for e in out {
+                    // The application is slow: drop the oldest kind of news rather than block
+                    // the swarm (which would stall every connection).
+                    if events.try_send(e).is_err() {
+                        tracing::warn!("node event queue full; dropping an event");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn listen(swarm: &mut Swarm<Behaviour>, addr: Multiaddr) {
+    if let Err(e) = swarm.listen_on(addr.clone()) {
+        tracing::warn!(%addr, "listen failed: {e}");
+    }
+}
+
+/// The relay of a `.../p2p/<relay>/p2p-circuit` address.
+fn circuit_relay(addr: &Multiaddr) -> Option<PeerId> {
+    let mut relay = None;
+    for p in addr.iter() {
+        match p {
+            Protocol::P2p(peer) => relay = Some(peer),
+            Protocol::P2pCircuit => return relay,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The part of a circuit address that reaches the relay itself.
+fn relay_address(addr: &Multiaddr) -> Multiaddr {
+    addr.iter()
+        .take_while(|p| !matches!(p, Protocol::P2pCircuit))
+        .collect()
+}
+
+/// `addr` with `/p2p/<peer>` at the end, unless it already ends with it.
+fn with_peer(addr: Multiaddr, peer: PeerId) -> Multiaddr {
+    match addr.iter().last() {
+        Some(Protocol::P2p(p)) if p == peer => addr,
+        _ => addr.with(Protocol::P2p(peer)),
+    }
+}
+
+fn handle_event(
+    swarm: &mut Swarm<Behaviour>,
+    event: SwarmEvent<BehaviourEvent>,
+    local: PeerId,
+    discovered: &mut HashSet<PeerId>,
+) -> Vec<NodeEvent> {
+    let mut out = Vec::new();
+    match event {
+        SwarmEvent::NewListenAddr { address, .. } => {
+            out.push(NodeEvent::Listening(with_peer(address, local)));
+        }
+        SwarmEvent::ConnectionEstablished {
+            peer_id,
+            num_established,
+            ..
+        } if num_established.get() == 1 => out.push(NodeEvent::Connected(peer_id)),
+        SwarmEvent::ConnectionClosed {
+            peer_id,
+            num_established: 0,
+            ..
+        } => out.push(NodeEvent::Disconnected(peer_id)),
+        SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+            peer_id,
+            info,
+            ..
+        })) if info.protocol_version == IDENTIFY_VERSION => {
+            for addr in info.listen_addrs {
+                swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+            }
+            if discovered.insert(peer_id) {
+                out.push(NodeEvent::Discovered(peer_id));
+                // Learn who else our new neighbour knows.
+                let _ = swarm.behaviour_mut().kad.bootstrap();
+            }
+        }
+        SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::RoutingUpdated { peer, .. }))
+            if !swarm.is_connected(&peer) =>
+        {
+            // Peers found through the DHT: connect, so gossip and tensors can flow.
+            let _ = swarm.dial(peer);
+        }
+        SwarmEvent::Behaviour(BehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
+            for (peer, addr) in found {
+                swarm.behaviour_mut().kad.add_address(&peer, addr.clone());
+                if !swarm.is_connected(&peer) {
+                    let _ = swarm.dial(addr);
+                }
+            }
+        }
+        SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
+            message,
+            ..
+        })) => {
+            if let Some(from) = message.source {
+                out.push(NodeEvent::Gossip {
+                    from,
+                    data: message.data,
+                });
+            }
+        }
+        SwarmEvent::Behaviour(BehaviourEvent::RelayClient(
+            relay::client::Event::ReservationReqAccepted { relay_peer_id, .. },
+        )) => {
+            out.push(NodeEvent::RelayReservation(
+                Multiaddr::empty()
+                    .with(Protocol::P2p(relay_peer_id))
+                    .with(Protocol::P2pCircuit),
+            ));
+        }
+        SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
+            remote_peer_id,
+            result: Ok(_),
+        })) => {
+            out.push(NodeEvent::HolePunched(remote_peer_id));
+        }
+        SwarmEvent::IncomingConnectionError {
+            error,
+            send_back_addr,
+            ..
+        } => {
+            tracing::debug!(%send_back_addr, "incoming connection failed: {error}");
+        }
+        _ => {}
+    }
+    out
+}

@@ -1,0 +1,228 @@
+//! Tensor transport: one framed message per QUIC stream (`/shoal/tensor/1`), on the libp2p
+//! connection to the peer (so NAT traversal and PeerId authentication come for free).
+//!
+//! The sender opens a stream, writes the frame and waits for a one-byte acknowledgement; the
+//! receiver reads the 12-byte frame header, checks it against the caps before allocating, reads
+//! exactly the payload and acknowledges. Every resource a peer can make us hold is bounded:
+//! streams per peer and in total, the frame size, the bytes of received frames not yet consumed
+//! by the application, and the time a stream may take. A peer that breaks a rule has its stream
+//! reset and the reason logged at `warn` with its PeerId.
+
+use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use libp2p::{PeerId, StreamProtocol};
+use libp2p_stream::{Control, IncomingStreams};
+use shoal_protocol::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind, FrameLimits};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+
+/// The protocol id of tensor streams (major version 1).
+pub const TENSOR_PROTOCOL: StreamProtocol = StreamProtocol::new("/shoal/tensor/1");
+
+/// Byte the receiver sends back once a frame has been read completely.
+const ACK: u8 = 0x06;
+
+/// Caps on what peers can make this node hold.
+#[derive(Clone, Copy, Debug)]
+pub struct TransportLimits {
+    /// Frame size caps.
+    pub frames: FrameLimits,
+    /// Inbound tensor streams open at once from one peer.
+    pub streams_per_peer: usize,
+    /// Inbound tensor streams open at once in total.
+    pub streams_total: usize,
+    /// Bytes of received frames held (being read or queued for the application) at once.
+    pub queued_bytes: usize,
+    /// Time any frame may take, plus `min_rate_bytes_per_s` for its size.
+    pub base_timeout: Duration,
+    /// Slowest acceptable transfer rate; a slower peer is cut off (slow-loris defence).
+    pub min_rate_bytes_per_s: u64,
+}
+
+impl Default for TransportLimits {
+    fn default() -> Self {
+        TransportLimits {
+            frames: FrameLimits::default(),
+            streams_per_peer: 8,
+            streams_total: 64,
+            // Two maximal frames: enough to keep a fast link busy, small enough for any host.
+            queued_bytes: 2 * FrameLimits::default().max_tensor_len as usize,
+            base_timeout: Duration::from_secs(10),
+            min_rate_bytes_per_s: 1 << 20,
+        }
+    }
+}
+
+impl TransportLimits {
+    fn timeout_for(&self, len: usize) -> Duration {
+        self.base_timeout + Duration::from_secs(len as u64 / self.min_rate_bytes_per_s.max(1))
+    }
+}
+
+/// A frame received from a peer. Holding it holds its share of the queued-bytes budget.
+#[derive(Debug)]
+pub struct InboundFrame {
+    /// Who sent it (authenticated by the connection).
+    pub peer: PeerId,
+    /// Control or tensor.
+    pub kind: FrameKind,
+    /// The payload (a postcard control message or a tensor message).
+    pub payload: Vec<u8>,
+    _budget: OwnedSemaphorePermit,
+}
+
+/// Why sending failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// The stream could not be opened (peer unreachable, protocol unsupported).
+    #[error("cannot open a tensor stream to {peer}: {reason}")]
+    Open {
+        /// The peer.
+        peer: PeerId,
+        /// Why.
+        reason: String,
+    },
+    /// The transfer broke off or was refused.
+    #[error("tensor transfer to {peer} failed: {source}")]
+    Io {
+        /// The peer.
+        peer: PeerId,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The frame is larger than any peer accepts.
+    #[error("frame of {0} bytes exceeds the tensor frame cap")]
+    TooLarge(usize),
+}
+
+/// Sends one frame to `peer` on a new stream and waits for its acknowledgement. Dropping the
+/// future cancels the transfer (the stream is reset).
+pub async fn send_frame(
+    control: &mut Control,
+    peer: PeerId,
+    kind: FrameKind,
+    payload: &[u8],
+    limits: &TransportLimits,
+) -> Result<(), SendError> {
+    let len = u32::try_from(payload.len()).map_err(|_| SendError::TooLarge(payload.len()))?;
+    if len > limits.frames.max_tensor_len {
+        return Err(SendError::TooLarge(payload.len()));
+    }
+    let mut stream = control
+        .open_stream(peer, TENSOR_PROTOCOL)
+        .await
+        .map_err(|e| SendError::Open {
+            peer,
+            reason: e.to_string(),
+        })?;
+    let io = |source| SendError::Io { peer, source };
+    let transfer = async {
+        stream
+            .write_all(&FrameHeader { kind, len }.to_bytes())
+            .await?;
+        stream.write_all(payload).await?;
+        stream.flush().await?;
+        let mut ack = [0u8; 1];
+        stream.read_exact(&mut ack).await?;
+        if ack[0] != ACK {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "bad acknowledgement",
+            ));
+        }
+        stream.close().await
+    };
+    match tokio::time::timeout(limits.timeout_for(payload.len()), transfer).await {
+        Ok(result) => result.map_err(io),
+        Err(_) => Err(io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "transfer timed out",
+        ))),
+    }
+}
+
+/// Accepts inbound tensor streams under `limits` and delivers complete frames to `deliver`
+/// (a bounded channel: a slow application slows the senders down). Runs until `incoming` ends.
+pub async fn accept_frames(
+    mut incoming: IncomingStreams,
+    limits: TransportLimits,
+    deliver: mpsc::Sender<InboundFrame>,
+) {
+    let open: Arc<Mutex<HashMap<PeerId, usize>>> = Arc::default();
+    let budget = Arc::new(Semaphore::new(
+        limits.queued_bytes.min(Semaphore::MAX_PERMITS),
+    ));
+    while let Some((peer, mut stream)) = incoming.next().await {
+        let admitted = {
+            let mut open = open.lock().unwrap_or_else(|e| e.into_inner());
+            let total: usize = open.values().sum();
+            let mine = open.entry(peer).or_insert(0);
+            if *mine >= limits.streams_per_peer || total >= limits.streams_total {
+                false
+            } else {
+                *mine += 1;
+                true
+            }
+        };
+        if !admitted {
+            tracing::warn!(%peer, "tensor stream refused: too many open streams; resetting it");
+            drop(stream);
+            continue;
+        }
+        let (open, budget, deliver) = (open.clone(), budget.clone(), deliver.clone());
+        tokio::spawn(async move {
+            if let Err(reason) = receive_one(peer, &mut stream, &limits, budget, &deliver).await {
+                tracing::warn!(%peer, %reason, "tensor stream reset");
+            }
+            drop(stream);
+            let mut open = open.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = open.get_mut(&peer) {
+                *n -= 1;
+                if *n == 0 {
+                    open.remove(&peer);
+                }
+            }
+        });
+    }
+}
+
+async fn receive_one(
+    peer: PeerId,
+    stream: &mut libp2p::Stream,
+    limits: &TransportLimits,
+    budget: Arc<Semaphore>,
+    deliver: &mpsc::Sender<InboundFrame>,
+) -> Result<(), String> {
+    let mut header = [0u8; FRAME_HEADER_LEN];
+    tokio::time::timeout(limits.base_timeout, stream.read_exact(&mut header))
+        .await
+        .map_err(|_| "no frame header in time".to_string())?
+        .map_err(|e| format!("reading frame header: {e}"))?;
+    let header = FrameHeader::parse(&header, &limits.frames).map_err(|e| e.to_string())?;
+    let len = header.len as usize;
+    // Reserve the bytes before allocating them; waits while the application catches up.
+    let permit = tokio::time::timeout(limits.base_timeout, budget.acquire_many_owned(len as u32))
+        .await
+        .map_err(|_| "receive budget exhausted for too long".to_string())?
+        .map_err(|_| "receiver shutting down".to_string())?;
+    let mut payload = vec![0u8; len];
+    tokio::time::timeout(limits.timeout_for(len), stream.read_exact(&mut payload))
+        .await
+        .map_err(|_| format!("frame of {len} bytes not received in time"))?
+        .map_err(|e| format!("reading {len}-byte payload: {e}"))?;
+    stream
+        .write_all(&[ACK])
+        .await
+        .map_err(|e| format!("acknowledging: {e}"))?;
+    let _ = stream.close().await;
+    deliver
+        .send(InboundFrame {
+            peer,
+            kind: header.kind,
+            payload,
+            _budget: permit,
+        })
+        .await
+        .map_err(|_| "application stopped receiving".to_string())
+}
