@@ -57,6 +57,27 @@ pub enum BenchCommand {
     Compute(BenchComputeArgs),
     /// Measure the tensor codecs (speed on one core, size, error).
     Codec(BenchCodecArgs),
+    /// Measure tensor transfer between two local nodes against plain quinn.
+    Net(BenchNetArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchNetArgs {
+    /// Size of each tensor frame, in MiB.
+    #[arg(long, default_value = "64", value_parser = positive)]
+    pub frame_mib: usize,
+    /// Frames per measurement (16 x 64 MiB = 1 GiB).
+    #[arg(long, default_value = "16", value_parser = positive)]
+    pub frames: usize,
+    /// Frames in flight at once.
+    #[arg(long, default_value = "4", value_parser = positive)]
+    pub in_flight: usize,
+    /// Alternating rounds of both measurements (the best of each is reported).
+    #[arg(long, default_value = "2", value_parser = positive)]
+    pub rounds: usize,
+    /// Print one JSON object instead of a sentence.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

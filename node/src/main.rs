@@ -5,6 +5,7 @@
 //! never live here. Errors reach the user as one line and a non-zero exit, never a panic.
 
 mod bench;
+mod bench_net;
 mod cli;
 mod node;
 mod report;
@@ -44,6 +45,7 @@ fn main() -> ExitCode {
         cli::Command::Node(a) => node::run(a),
         cli::Command::Bench(cli::BenchCommand::Compute(a)) => bench::compute(a),
         cli::Command::Bench(cli::BenchCommand::Codec(a)) => bench::codec(a),
+        cli::Command::Bench(cli::BenchCommand::Net(a)) => bench_net::net(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -204,3 +204,27 @@ fn bench_codec_prints_one_json_object() {
     assert_eq!(json["codecs"]["fp32"]["max_abs_error"], 0.0);
     assert!(json["codecs"]["int8"]["ratio"].as_f64().unwrap() > 3.5);
 }
+
+#[test]
+fn bench_net_prints_one_json_object() {
+    let out = shoal(&[
+        "bench",
+        "net",
+        "--frame-mib",
+        "1",
+        "--frames",
+        "2",
+        "--rounds",
+        "1",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in ["raw_quinn_mib_s", "shoal_mib_s", "ratio", "rtt_us_median"] {
+        assert!(json[key].as_f64().unwrap() > 0.0, "bench net lacks {key}");
+    }
+}

@@ -11,30 +11,29 @@ use serde_json::{Value, json};
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
-/// The `shoal` binary of this build (built on demand if the test run did not build it).
+/// The `shoal` binary of this build, brought up to date once per test process (`cargo test
+/// -p shoal-tests` alone would not rebuild it, and a stale binary tests old code).
 pub fn shoal_binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test> -> target/<profile>/shoal
-    let dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target directory");
-    let bin = dir.join(format!("shoal{}", std::env::consts::EXE_SUFFIX));
-    if !bin.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let release = dir.file_name().is_some_and(|n| n == "release");
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-p", "shoal-node", "--bin", "shoal"]);
-        if release {
-            cmd.arg("--release");
-        }
-        let status = cmd.status().expect("run cargo build");
-        assert!(status.success(), "building shoal failed");
-    }
-    bin
+    static BINARY: OnceLock<PathBuf> = OnceLock::new();
+    BINARY
+        .get_or_init(|| {
+            let exe = std::env::current_exe().expect("test executable path");
+            // target/<profile>/deps/<test> -> target/<profile>/shoal
+            let dir = exe.parent().and_then(Path::parent).expect("target directory");
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut cmd = Command::new(cargo);
+            cmd.args(["build", "--quiet", "-p", "shoal-node", "--bin", "shoal"]);
+            if dir.file_name().is_some_and(|n| n == "release") {
+                cmd.arg("--release");
+            }
+            let status = cmd.status().expect("run cargo build");
+            assert!(status.success(), "building shoal failed");
+            dir.join(format!("shoal{}", std::env::consts::EXE_SUFFIX))
+        })
+        .clone()
 }
 
 /// A `shoal node --control` process: commands go in as JSON lines, events come out.
@@ -74,6 +73,11 @@ impl NodeProcess {
             .args(["node", "--control", "--identity"])
             .arg(&identity)
             .args(extra)
+            // Hostile-input tests make nodes warn a lot; SHOAL_TEST_LOG shows it when wanted.
+            .env(
+                "RUST_LOG",
+                std::env::var("SHOAL_TEST_LOG").unwrap_or_else(|_| "error".into()),
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -150,6 +154,19 @@ impl NodeProcess {
     /// Asks for a tensor of `values` values from `seed` to be sent to `peer`.
     pub fn send_tensor(&mut self, peer: &str, values: usize, seed: u64) {
         self.send(json!({"op": "send", "peer": peer, "values": values, "seed": seed}));
+    }
+
+    /// The operating system's id of the process.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Peak resident memory of the process so far, in bytes (Linux: `VmHWM`).
+    pub fn peak_rss_bytes(&self) -> Option<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib * 1024)
     }
 
     /// Kills the process with SIGKILL.

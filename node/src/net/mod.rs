@@ -35,10 +35,21 @@ const IDENTIFY_VERSION: &str = "/shoal/1";
 /// 10 MB per round trip, ~100 MB/s at 100 ms RTT.
 const STREAM_RECEIVE_WINDOW: u32 = 16 << 20;
 const CONNECTION_RECEIVE_WINDOW: u32 = 48 << 20;
-/// A silent peer is declared gone after this long (keep-alives go out every second, so a
-/// live peer is never idle that long even when no tensor flows).
-const IDLE_TIMEOUT_MS: u32 = 5_000;
-const KEEP_ALIVE: Duration = Duration::from_secs(1);
+/// A silent peer is declared gone after this long. Keep-alives go out every 2 s, so a live
+/// peer is never idle that long even when no tensor flows; 10 s leaves room for a peer whose
+/// CPU is saturated by training (5 s cut live peers off on a loaded 2-core machine).
+const IDLE_TIMEOUT_MS: u32 = 10_000;
+const KEEP_ALIVE: Duration = Duration::from_secs(2);
+
+/// The QUIC transport settings shoal uses, for a plain quinn endpoint measured against it.
+pub fn quic_transport_config() -> quinn::TransportConfig {
+    let mut t = quinn::TransportConfig::default();
+    t.stream_receive_window(STREAM_RECEIVE_WINDOW.into());
+    t.receive_window(CONNECTION_RECEIVE_WINDOW.into());
+    t.keep_alive_interval(Some(KEEP_ALIVE));
+    t.max_concurrent_bidi_streams(256u32.into());
+    t
+}
 
 /// How a node joins the network.
 #[derive(Clone, Debug)]
@@ -159,6 +170,15 @@ impl NodeHandle {
             .await
             .context("node stopped")?;
         rx.await.context("node stopped")
+    }
+
+    /// Opens a raw tensor stream to `peer`, for tools that speak the framing themselves.
+    pub async fn open_tensor_stream(
+        &self,
+        peer: PeerId,
+    ) -> Result<libp2p::Stream, tensor::SendError> {
+        let mut control = self.streams.clone();
+        tensor::open_stream(&mut control, peer).await
     }
 
     /// Sends one frame to `peer` on its own stream; resolves once the peer has it.

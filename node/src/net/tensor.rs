@@ -142,6 +142,34 @@ pub async fn send_frame(
     }
 }
 
+/// Attempts at opening a stream before giving up.
+const OPEN_ATTEMPTS: u32 = 3;
+
+/// Opens a raw tensor stream to `peer` (what [`send_frame`] writes a frame on).
+///
+/// Opening can fail for reasons that a second try fixes: two peers that dialed each other at
+/// once hold two connections until one is closed, and a stream requested on the closing one is
+/// cancelled. Nothing has been sent at that point, so retrying is safe.
+pub async fn open_stream(control: &mut Control, peer: PeerId) -> Result<libp2p::Stream, SendError> {
+    let mut attempt = 1;
+    loop {
+        match control.open_stream(peer, TENSOR_PROTOCOL).await {
+            Ok(stream) => return Ok(stream),
+            Err(libp2p_stream::OpenStreamError::Io(e)) if attempt < OPEN_ATTEMPTS => {
+                tracing::debug!(%peer, attempt, "opening a tensor stream failed, retrying: {e}");
+                tokio::time::sleep(Duration::from_millis(50 * attempt as u64)).await;
+                attempt += 1;
+            }
+            Err(e) => {
+                return Err(SendError::Open {
+                    peer,
+                    reason: e.to_string(),
+                });
+            }
+        }
+    }
+}
+
 /// Accepts inbound tensor streams under `limits` and delivers complete frames to `deliver`
 /// (a bounded channel: a slow application slows the senders down). Runs until `incoming` ends.
 pub async fn accept_frames(
@@ -206,8 +234,20 @@ async fn receive_one(
         .await
         .map_err(|_| "receive budget exhausted for too long".to_string())?
         .map_err(|_| "receiver shutting down".to_string())?;
-    let mut payload = vec![0u8; len];
-    tokio::time::timeout(limits.timeout_for(len), stream.read_exact(&mut payload))
+    // Memory follows the bytes that actually arrive: a header alone costs a budget reservation,
+    // not an allocation of the size it claims. The buffer grows a chunk at a time, each chunk
+    // read in place.
+    const CHUNK: usize = 4 << 20;
+    let mut payload = Vec::new();
+    let read = async {
+        while payload.len() < len {
+            let start = payload.len();
+            payload.resize((start + CHUNK).min(len), 0);
+            stream.read_exact(&mut payload[start..]).await?;
+        }
+        std::io::Result::Ok(())
+    };
+    tokio::time::timeout(limits.timeout_for(len), read)
         .await
         .map_err(|_| format!("frame of {len} bytes not received in time"))?
         .map_err(|e| format!("reading {len}-byte payload: {e}"))?;
