@@ -141,20 +141,36 @@ async fn shoal_streams(
     .await
     .context("the two nodes did not connect")?;
 
+    let send = |data: Arc<Vec<u8>>| {
+        let sender = sender.clone();
+        async move { Ok(sender.send_frame(target, FrameKind::Tensor, &data).await?) }
+    };
+    time_transfers(send, payload, frames, in_flight).await
+}
+
+/// Times `SMALL_FRAMES` small frames one after another (round trips), then `frames` frames of
+/// `payload` with `in_flight` at once (throughput); returns the seconds of the latter and the
+/// round trips in microseconds.
+async fn time_transfers<F, Fut>(
+    send: F,
+    payload: &Arc<Vec<u8>>,
+    frames: usize,
+    in_flight: usize,
+) -> anyhow::Result<(f64, Vec<f64>)>
+where
+    F: Fn(Arc<Vec<u8>>) -> Fut,
+    Fut: Future<Output = anyhow::Result<()>>,
+{
+    let small = Arc::new(vec![0u8; 64]);
     let mut rtt = Vec::with_capacity(SMALL_FRAMES);
     for _ in 0..SMALL_FRAMES {
         let start = Instant::now();
-        sender
-            .send_frame(target, FrameKind::Tensor, &[0u8; 64])
-            .await?;
+        send(small.clone()).await?;
         rtt.push(start.elapsed().as_secs_f64() * 1e6);
     }
     let start = Instant::now();
     let results: Vec<_> = futures::stream::iter(0..frames)
-        .map(|_| {
-            let (sender, payload) = (sender.clone(), payload.clone());
-            async move { sender.send_frame(target, FrameKind::Tensor, &payload).await }
-        })
+        .map(|_| send(payload.clone()))
         .buffer_unordered(in_flight)
         .collect()
         .await;
@@ -249,23 +265,13 @@ async fn raw_quinn(
         recv.read_exact(&mut ack).await?;
         anyhow::Ok(())
     };
-    let small = Arc::new(vec![0u8; 64]);
-    let mut rtt = Vec::with_capacity(SMALL_FRAMES);
-    for _ in 0..SMALL_FRAMES {
-        let start = Instant::now();
-        send_one(conn.clone(), small.clone()).await?;
-        rtt.push(start.elapsed().as_secs_f64() * 1e6);
-    }
-    let start = Instant::now();
-    let results: Vec<_> = futures::stream::iter(0..frames)
-        .map(|_| send_one(conn.clone(), payload.clone()))
-        .buffer_unordered(in_flight)
-        .collect()
-        .await;
-    let secs = start.elapsed().as_secs_f64();
-    for r in results {
-        r?;
-    }
+    let result = time_transfers(
+        |data| send_one(conn.clone(), data),
+        payload,
+        frames,
+        in_flight,
+    )
+    .await;
     conn.close(0u32.into(), b"done");
-    Ok((secs, rtt))
+    result
 }

@@ -22,7 +22,10 @@ pub fn shoal_binary() -> PathBuf {
         .get_or_init(|| {
             let exe = std::env::current_exe().expect("test executable path");
             // target/<profile>/deps/<test> -> target/<profile>/shoal
-            let dir = exe.parent().and_then(Path::parent).expect("target directory");
+            let dir = exe
+                .parent()
+                .and_then(Path::parent)
+                .expect("target directory");
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             let mut cmd = Command::new(cargo);
             cmd.args(["build", "--quiet", "-p", "shoal-node", "--bin", "shoal"]);
