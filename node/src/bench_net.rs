@@ -22,12 +22,14 @@ struct NetBench {
     raw_quinn_mib_s: f64,
     /// Plain quinn with the cipher libp2p's TLS config prefers (ChaCha20-Poly1305).
     raw_quinn_chacha_mib_s: f64,
-    /// shoal's tensor transport over libp2p's QUIC connection.
+    /// shoal's tensor transport as it runs: the direct endpoint between reachable peers.
     shoal_mib_s: f64,
+    /// shoal's fallback path: libp2p-stream on libp2p's QUIC connection (ChaCha20).
+    shoal_libp2p_mib_s: f64,
     /// shoal / plain quinn.
     ratio: f64,
-    /// shoal / plain quinn on the same cipher: the cost of the transport itself.
-    ratio_same_cipher: f64,
+    /// shoal's libp2p path / plain quinn on the same cipher: the cost of libp2p itself.
+    ratio_libp2p_same_cipher: f64,
     /// Median time to send a 64-byte frame and get its acknowledgement (new stream each).
     rtt_us_median: f64,
     raw_quinn_rtt_us_median: f64,
@@ -43,16 +45,18 @@ pub fn net(args: BenchNetArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&result)?);
     } else {
         println!(
-            "{} x {} MiB frames, {} in flight: shoal {:.0} MiB/s, plain quinn {:.0} MiB/s (ratio {:.2}), \
-             plain quinn on libp2p's cipher {:.0} MiB/s (ratio {:.2}); small-frame round trip {:.0} us (quinn {:.0} us)",
+            "{} x {} MiB frames, {} in flight: shoal {:.0} MiB/s, plain quinn {:.0} MiB/s (ratio {:.2}); \
+             shoal over libp2p {:.0} MiB/s vs plain quinn on its cipher {:.0} MiB/s (ratio {:.2}); \
+             small-frame round trip {:.0} us (quinn {:.0} us)",
             result.frames,
             result.frame_mib,
             result.in_flight,
             result.shoal_mib_s,
             result.raw_quinn_mib_s,
             result.ratio,
+            result.shoal_libp2p_mib_s,
             result.raw_quinn_chacha_mib_s,
-            result.ratio_same_cipher,
+            result.ratio_libp2p_same_cipher,
             result.rtt_us_median,
             result.raw_quinn_rtt_us_median
         );
@@ -72,17 +76,28 @@ async fn measure(args: &BenchNetArgs) -> anyhow::Result<NetBench> {
     let payload: Arc<Vec<u8>> = Arc::new((0..frame_bytes).map(|i| (i * 7 + 3) as u8).collect());
     let total = frame_bytes * args.frames;
     // Alternate so that background load hits both alike; keep each one's best run.
-    let (mut quinn_best, mut chacha_best, mut shoal_best) = (0f64, 0f64, 0f64);
+    let (mut quinn_best, mut chacha_best, mut shoal_best, mut libp2p_best) =
+        (0f64, 0f64, 0f64, 0f64);
     let (mut quinn_rtt, mut shoal_rtt) = (Vec::new(), Vec::new());
     for _ in 0..args.rounds {
-        let (secs, rtt) = raw_quinn(&payload, args.frames, args.in_flight, Cipher::Default).await?;
+        let (secs, rtt) = raw_quinn(&payload, args.frames, args.in_flight, Cipher::Default)
+            .await
+            .context("plain quinn")?;
         quinn_best = quinn_best.max(total as f64 / secs / (1 << 20) as f64);
         quinn_rtt.extend(rtt);
-        let (secs, _) = raw_quinn(&payload, args.frames, args.in_flight, Cipher::ChaCha20).await?;
+        let (secs, _) = raw_quinn(&payload, args.frames, args.in_flight, Cipher::ChaCha20)
+            .await
+            .context("plain quinn on ChaCha20")?;
         chacha_best = chacha_best.max(total as f64 / secs / (1 << 20) as f64);
-        let (secs, rtt) = shoal_streams(&payload, args.frames, args.in_flight).await?;
+        let (secs, rtt) = shoal_streams(&payload, args.frames, args.in_flight, true)
+            .await
+            .context("shoal, direct")?;
         shoal_best = shoal_best.max(total as f64 / secs / (1 << 20) as f64);
         shoal_rtt.extend(rtt);
+        let (secs, _) = shoal_streams(&payload, args.frames, args.in_flight, false)
+            .await
+            .context("shoal over libp2p")?;
+        libp2p_best = libp2p_best.max(total as f64 / secs / (1 << 20) as f64);
     }
     Ok(NetBench {
         frame_mib: args.frame_mib,
@@ -92,8 +107,9 @@ async fn measure(args: &BenchNetArgs) -> anyhow::Result<NetBench> {
         raw_quinn_mib_s: quinn_best,
         raw_quinn_chacha_mib_s: chacha_best,
         shoal_mib_s: shoal_best,
+        shoal_libp2p_mib_s: libp2p_best,
         ratio: shoal_best / quinn_best,
-        ratio_same_cipher: shoal_best / chacha_best,
+        ratio_libp2p_same_cipher: libp2p_best / chacha_best,
         rtt_us_median: median(shoal_rtt),
         raw_quinn_rtt_us_median: median(quinn_rtt),
     })
@@ -105,6 +121,7 @@ async fn shoal_streams(
     payload: &Arc<Vec<u8>>,
     frames: usize,
     in_flight: usize,
+    direct: bool,
 ) -> anyhow::Result<(f64, Vec<f64>)> {
     let local = |bootstrap: Vec<libp2p::Multiaddr>| NetConfig {
         listen: vec![
@@ -115,6 +132,7 @@ async fn shoal_streams(
         bootstrap,
         mdns: false,
         run: "bench".into(),
+        direct,
         ..NetConfig::default()
     };
     let (receiver, mut receiver_events, mut inbound) =
@@ -133,7 +151,8 @@ async fn shoal_streams(
     let target = receiver.peer_id;
     tokio::time::timeout(Duration::from_secs(30), async {
         while let Some(e) = sender_events.recv().await {
-            if matches!(e, NodeEvent::Connected(p) if p == target) {
+            // Identified: the receiver's direct endpoint (if any) is known by then.
+            if matches!(e, NodeEvent::Discovered(p) if p == target) {
                 break;
             }
         }

@@ -43,6 +43,9 @@ pub struct NodeArgs {
     /// Relay traffic for peers that cannot be reached directly.
     #[arg(long)]
     pub relay_server: bool,
+    /// Send tensors only over libp2p streams (no direct QUIC endpoint).
+    #[arg(long)]
+    pub no_direct: bool,
     /// The run (or public swarm) to join.
     #[arg(long, default_value = "public")]
     pub run: String,

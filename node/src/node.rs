@@ -54,6 +54,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
         bootstrap: args.bootstrap.clone(),
         mdns: !args.no_mdns,
         relay_server: args.relay_server,
+        direct: !args.no_direct,
         run: args.run.clone(),
         ..NetConfig::default()
     };

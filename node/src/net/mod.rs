@@ -6,6 +6,7 @@
 //! [`NodeHandle`] (commands, and a stream control for tensors) and receives [`NodeEvent`]s and
 //! [`InboundFrame`]s on bounded channels.
 
+pub mod direct;
 pub mod identity;
 pub mod tensor;
 
@@ -17,7 +18,9 @@ use libp2p::{
     Multiaddr, PeerId, StreamProtocol, Swarm, autonat, connection_limits, dcutr, gossipsub,
     identify, identity::Keypair, kad, mdns, multiaddr::Protocol, noise, ping, relay, yamux,
 };
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
@@ -41,9 +44,13 @@ const CONNECTION_RECEIVE_WINDOW: u32 = 48 << 20;
 const IDLE_TIMEOUT_MS: u32 = 10_000;
 const KEEP_ALIVE: Duration = Duration::from_secs(2);
 
-/// The QUIC transport settings shoal uses, for a plain quinn endpoint measured against it.
+/// The QUIC transport settings of shoal's direct tensor endpoint (also used by the plain
+/// quinn endpoint `shoal bench net` measures against).
 pub fn quic_transport_config() -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
+    // The direct endpoint can also size its send window (libp2p-quic cannot): as large as the
+    // peer's connection receive window, so one connection can fill 1 Gbit/s at 100 ms RTT.
+    t.send_window(CONNECTION_RECEIVE_WINDOW as u64);
     t.stream_receive_window(STREAM_RECEIVE_WINDOW.into());
     t.receive_window(CONNECTION_RECEIVE_WINDOW.into());
     t.keep_alive_interval(Some(KEEP_ALIVE));
@@ -72,6 +79,9 @@ pub struct NetConfig {
     pub max_pending: u32,
     /// Caps on tensor streams and frames.
     pub transport: TransportLimits,
+    /// Offer and use a direct QUIC endpoint for tensors (AES-GCM first) where peers are
+    /// directly reachable; the libp2p stream serves everyone else.
+    pub direct: bool,
 }
 
 impl Default for NetConfig {
@@ -90,6 +100,7 @@ impl Default for NetConfig {
             max_connections_per_peer: 4,
             max_pending: 64,
             transport: TransportLimits::default(),
+            direct: true,
         }
     }
 }
@@ -125,6 +136,9 @@ enum Command {
     Peers(oneshot::Sender<Vec<PeerId>>),
 }
 
+/// Direct endpoints that peers advertised, by PeerId.
+type DirectAddrs = Arc<Mutex<HashMap<PeerId, SocketAddr>>>;
+
 /// The application's side of a running node.
 #[derive(Clone)]
 pub struct NodeHandle {
@@ -133,6 +147,8 @@ pub struct NodeHandle {
     commands: mpsc::Sender<Command>,
     streams: libp2p_stream::Control,
     limits: TransportLimits,
+    direct: Option<Arc<direct::DirectEndpoint>>,
+    direct_addrs: DirectAddrs,
 }
 
 impl NodeHandle {
@@ -181,13 +197,38 @@ impl NodeHandle {
         tensor::open_stream(&mut control, peer).await
     }
 
-    /// Sends one frame to `peer` on its own stream; resolves once the peer has it.
+    /// Sends one frame to `peer` on its own stream; resolves once the peer has it. Uses the
+    /// peer's direct endpoint when it has one that answers, the libp2p connection otherwise.
     pub async fn send_frame(
         &self,
         peer: PeerId,
         kind: shoal_protocol::FrameKind,
         payload: &[u8],
     ) -> Result<(), tensor::SendError> {
+        tensor::check_sendable(payload, &self.limits)?;
+        let addr = self
+            .direct_addrs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&peer)
+            .copied();
+        if let (Some(endpoint), Some(addr)) = (&self.direct, addr) {
+            match endpoint.open_stream(peer, addr).await {
+                Ok(mut stream) => {
+                    return tensor::write_frame(&mut stream, kind, payload, &self.limits)
+                        .await
+                        .map_err(|source| tensor::SendError::Io { peer, source });
+                }
+                Err(e) => {
+                    // Not reachable directly (NAT, firewall): libp2p from now on.
+                    tracing::debug!(%peer, %addr, "direct endpoint unreachable, using libp2p: {e}");
+                    self.direct_addrs
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&peer);
+                }
+            }
+        }
         let mut control = self.streams.clone();
         tensor::send_frame(&mut control, peer, kind, payload, &self.limits).await
     }
@@ -208,7 +249,28 @@ struct Behaviour {
     streams: libp2p_stream::Behaviour,
 }
 
-fn build_swarm(key: Keypair, config: &NetConfig) -> anyhow::Result<Swarm<Behaviour>> {
+/// identify's agent version, which also advertises the direct endpoint's UDP port.
+fn agent_version(direct_port: Option<u16>) -> String {
+    let version = env!("CARGO_PKG_VERSION");
+    match direct_port {
+        Some(port) => format!("shoal/{version} {DIRECT_TAG}{port}"),
+        None => format!("shoal/{version}"),
+    }
+}
+
+const DIRECT_TAG: &str = "direct-udp=";
+
+fn advertised_direct_port(agent: &str) -> Option<u16> {
+    agent
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix(DIRECT_TAG)?.parse().ok())
+}
+
+fn build_swarm(
+    key: Keypair,
+    config: &NetConfig,
+    direct_port: Option<u16>,
+) -> anyhow::Result<Swarm<Behaviour>> {
     let swarm = libp2p::SwarmBuilder::with_existing_identity(key)
         .with_tokio()
         .with_quic_config(|mut quic| {
@@ -269,10 +331,10 @@ fn build_swarm(key: Keypair, config: &NetConfig) -> anyhow::Result<Swarm<Behavio
             });
             Ok(Behaviour {
                 limits: connection_limits::Behaviour::new(limits),
-                identify: identify::Behaviour::new(identify::Config::new(
-                    IDENTIFY_VERSION.into(),
-                    key.public(),
-                )),
+                identify: identify::Behaviour::new(
+                    identify::Config::new(IDENTIFY_VERSION.into(), key.public())
+                        .with_agent_version(agent_version(direct_port)),
+                ),
                 kad,
                 gossipsub,
                 mdns: mdns.into(),
@@ -304,7 +366,27 @@ pub async fn start(
     mpsc::Receiver<InboundFrame>,
 )> {
     let peer_id = key.public().to_peer_id();
-    let mut swarm = build_swarm(key, &config)?;
+    let direct = if config.direct {
+        // Bind on the host of the first IP listen address (any interface otherwise).
+        let ip = config
+            .listen
+            .iter()
+            .flat_map(|a| a.iter())
+            .find_map(|p| match p {
+                Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
+                Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
+                _ => None,
+            })
+            .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+        Some(direct::DirectEndpoint::bind(
+            &key,
+            SocketAddr::new(ip, 0),
+            config.max_connections as usize,
+        )?)
+    } else {
+        None
+    };
+    let mut swarm = build_swarm(key, &config, direct.as_ref().map(|d| d.port()))?;
     let topic = topic(&config.run);
     swarm.behaviour_mut().gossipsub.subscribe(&topic)?;
     for addr in &config.listen {
@@ -328,11 +410,22 @@ pub async fn start(
     let (event_tx, event_rx) = mpsc::channel(1024);
     let (frame_tx, frame_rx) = mpsc::channel(16);
     let (command_tx, command_rx) = mpsc::channel(64);
-    tokio::spawn(tensor::accept_frames(incoming, config.transport, frame_tx));
+    let admission = tensor::Admission::new(config.transport, frame_tx);
+    if let Some(endpoint) = &direct {
+        let admission = admission.clone();
+        tokio::spawn(
+            endpoint
+                .clone()
+                .accept(move |peer, stream| admission.admit(peer, stream)),
+        );
+    }
+    tokio::spawn(tensor::accept_frames(incoming, admission));
+    let direct_addrs = DirectAddrs::default();
     tokio::spawn(event_loop(
         swarm,
         topic,
         config.relay_server,
+        direct_addrs.clone(),
         command_rx,
         event_tx,
     ));
@@ -341,6 +434,8 @@ pub async fn start(
         commands: command_tx,
         streams,
         limits: config.transport,
+        direct,
+        direct_addrs,
     };
     Ok((handle, event_rx, frame_rx))
 }
@@ -349,12 +444,15 @@ async fn event_loop(
     mut swarm: Swarm<Behaviour>,
     topic: gossipsub::IdentTopic,
     relay_server: bool,
+    direct_addrs: DirectAddrs,
     mut commands: mpsc::Receiver<Command>,
     events: mpsc::Sender<NodeEvent>,
 ) {
     let local = *swarm.local_peer_id();
     let mut discovered = HashSet::new();
     let mut pending_circuits: Vec<(PeerId, Multiaddr)> = Vec::new();
+    // The IP each peer's (non-relayed) connection comes from: where its direct endpoint is.
+    let mut remote_ips: HashMap<PeerId, IpAddr> = HashMap::new();
     loop {
         tokio::select! {
             command = commands.recv() => match command {
@@ -398,6 +496,39 @@ async fn event_loop(
                     if relay_server {
                         swarm.add_external_address(address.clone());
                     }
+                }
+                match &event {
+                    SwarmEvent::ConnectionEstablished { peer_id, endpoint, .. } => {
+                        let addr = endpoint.get_remote_address();
+                        let relayed = addr.iter().any(|p| matches!(p, Protocol::P2pCircuit));
+                        let ip = addr.iter().find_map(|p| match p {
+                            Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
+                            Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
+                            _ => None,
+                        });
+                        if let (false, Some(ip)) = (relayed, ip) {
+                            remote_ips.insert(*peer_id, ip);
+                        }
+                    }
+                    SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+                        peer_id,
+                        info,
+                        ..
+                    })) => {
+                        if let (Some(port), Some(ip)) =
+                            (advertised_direct_port(&info.agent_version), remote_ips.get(peer_id))
+                        {
+                            direct_addrs
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .insert(*peer_id, SocketAddr::new(*ip, port));
+                        }
+                    }
+                    SwarmEvent::ConnectionClosed { peer_id, num_established: 0, .. } => {
+                        remote_ips.remove(peer_id);
+                        direct_addrs.lock().unwrap_or_else(|e| e.into_inner()).remove(peer_id);
+                    }
+                    _ => {}
                 }
                 if let SwarmEvent::ConnectionEstablished { peer_id, .. } = &event {
                     let (ready, waiting) = std::mem::take(&mut pending_circuits)

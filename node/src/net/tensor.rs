@@ -8,7 +8,7 @@
 //! by the application, and the time a stream may take. A peer that breaks a rule has its stream
 //! reset and the reason logged at `warn` with its PeerId.
 
-use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, StreamExt};
 use libp2p::{PeerId, StreamProtocol};
 use libp2p_stream::{Control, IncomingStreams};
 use shoal_protocol::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind, FrameLimits};
@@ -96,8 +96,8 @@ pub enum SendError {
     TooLarge(usize),
 }
 
-/// Sends one frame to `peer` on a new stream and waits for its acknowledgement. Dropping the
-/// future cancels the transfer (the stream is reset).
+/// Sends one frame to `peer` on a new libp2p stream and waits for its acknowledgement.
+/// Dropping the future cancels the transfer (the stream is reset).
 pub async fn send_frame(
     control: &mut Control,
     peer: PeerId,
@@ -105,18 +105,29 @@ pub async fn send_frame(
     payload: &[u8],
     limits: &TransportLimits,
 ) -> Result<(), SendError> {
-    let len = u32::try_from(payload.len()).map_err(|_| SendError::TooLarge(payload.len()))?;
-    if len > limits.frames.max_tensor_len {
-        return Err(SendError::TooLarge(payload.len()));
-    }
-    let mut stream = control
-        .open_stream(peer, TENSOR_PROTOCOL)
+    check_sendable(payload, limits)?;
+    let mut stream = open_stream(control, peer).await?;
+    write_frame(&mut stream, kind, payload, limits)
         .await
-        .map_err(|e| SendError::Open {
-            peer,
-            reason: e.to_string(),
-        })?;
-    let io = |source| SendError::Io { peer, source };
+        .map_err(|source| SendError::Io { peer, source })
+}
+
+/// Whether any peer would accept a frame of this size.
+pub fn check_sendable(payload: &[u8], limits: &TransportLimits) -> Result<(), SendError> {
+    match u32::try_from(payload.len()) {
+        Ok(len) if len <= limits.frames.max_tensor_len => Ok(()),
+        _ => Err(SendError::TooLarge(payload.len())),
+    }
+}
+
+/// Writes one frame on `stream` and waits for the receiver's acknowledgement.
+pub async fn write_frame<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    kind: FrameKind,
+    payload: &[u8],
+    limits: &TransportLimits,
+) -> std::io::Result<()> {
+    let len = payload.len() as u32;
     let transfer = async {
         stream
             .write_all(&FrameHeader { kind, len }.to_bytes())
@@ -134,11 +145,11 @@ pub async fn send_frame(
         stream.close().await
     };
     match tokio::time::timeout(limits.timeout_for(payload.len()), transfer).await {
-        Ok(result) => result.map_err(io),
-        Err(_) => Err(io(std::io::Error::new(
+        Ok(result) => result,
+        Err(_) => Err(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             "transfer timed out",
-        ))),
+        )),
     }
 }
 
@@ -170,23 +181,40 @@ pub async fn open_stream(control: &mut Control, peer: PeerId) -> Result<libp2p::
     }
 }
 
-/// Accepts inbound tensor streams under `limits` and delivers complete frames to `deliver`
-/// (a bounded channel: a slow application slows the senders down). Runs until `incoming` ends.
-pub async fn accept_frames(
-    mut incoming: IncomingStreams,
+/// Admits inbound tensor streams (from libp2p or the direct endpoint) under one set of caps
+/// and delivers complete frames to a bounded channel (a slow application slows senders down).
+#[derive(Clone)]
+pub struct Admission {
     limits: TransportLimits,
+    open: Arc<Mutex<HashMap<PeerId, usize>>>,
+    budget: Arc<Semaphore>,
     deliver: mpsc::Sender<InboundFrame>,
-) {
-    let open: Arc<Mutex<HashMap<PeerId, usize>>> = Arc::default();
-    let budget = Arc::new(Semaphore::new(
-        limits.queued_bytes.min(Semaphore::MAX_PERMITS),
-    ));
-    while let Some((peer, mut stream)) = incoming.next().await {
+}
+
+impl Admission {
+    /// Admission under `limits`, delivering to `deliver`.
+    pub fn new(limits: TransportLimits, deliver: mpsc::Sender<InboundFrame>) -> Self {
+        Admission {
+            limits,
+            open: Arc::default(),
+            budget: Arc::new(Semaphore::new(
+                limits.queued_bytes.min(Semaphore::MAX_PERMITS),
+            )),
+            deliver,
+        }
+    }
+
+    /// Takes a new inbound stream from `peer`: refused (dropped, so reset) beyond the stream
+    /// caps, otherwise read on its own task.
+    pub fn admit<S>(&self, peer: PeerId, mut stream: S)
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
         let admitted = {
-            let mut open = open.lock().unwrap_or_else(|e| e.into_inner());
+            let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
             let total: usize = open.values().sum();
             let mine = open.entry(peer).or_insert(0);
-            if *mine >= limits.streams_per_peer || total >= limits.streams_total {
+            if *mine >= self.limits.streams_per_peer || total >= self.limits.streams_total {
                 false
             } else {
                 *mine += 1;
@@ -195,16 +223,18 @@ pub async fn accept_frames(
         };
         if !admitted {
             tracing::warn!(%peer, "tensor stream refused: too many open streams; resetting it");
-            drop(stream);
-            continue;
+            return;
         }
-        let (open, budget, deliver) = (open.clone(), budget.clone(), deliver.clone());
+        let this = self.clone();
         tokio::spawn(async move {
-            if let Err(reason) = receive_one(peer, &mut stream, &limits, budget, &deliver).await {
+            let budget = this.budget.clone();
+            if let Err(reason) =
+                receive_one(peer, &mut stream, &this.limits, budget, &this.deliver).await
+            {
                 tracing::warn!(%peer, %reason, "tensor stream reset");
             }
             drop(stream);
-            let mut open = open.lock().unwrap_or_else(|e| e.into_inner());
+            let mut open = this.open.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(n) = open.get_mut(&peer) {
                 *n -= 1;
                 if *n == 0 {
@@ -215,9 +245,16 @@ pub async fn accept_frames(
     }
 }
 
-async fn receive_one(
+/// Admits every inbound libp2p tensor stream until `incoming` ends.
+pub async fn accept_frames(mut incoming: IncomingStreams, admission: Admission) {
+    while let Some((peer, stream)) = incoming.next().await {
+        admission.admit(peer, stream);
+    }
+}
+
+async fn receive_one<S: AsyncRead + AsyncWrite + Unpin>(
     peer: PeerId,
-    stream: &mut libp2p::Stream,
+    stream: &mut S,
     limits: &TransportLimits,
     budget: Arc<Semaphore>,
     deliver: &mpsc::Sender<InboundFrame>,
