@@ -43,6 +43,8 @@ const CONNECTION_RECEIVE_WINDOW: u32 = 48 << 20;
 /// CPU is saturated by training (5 s cut live peers off on a loaded 2-core machine).
 const IDLE_TIMEOUT_MS: u32 = 10_000;
 const KEEP_ALIVE: Duration = Duration::from_secs(2);
+/// How long libp2p keeps a connection no protocol needs (see `build_swarm`).
+const SWARM_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// The QUIC transport settings of shoal's direct tensor endpoint (also used by the plain
 /// quinn endpoint `shoal bench net` measures against).
@@ -346,7 +348,10 @@ fn build_swarm(
                 streams: libp2p_stream::Behaviour::new(),
             })
         })?
-        .with_swarm_config(|c| c.with_idle_connection_timeout(Duration::from_secs(60)))
+        // Peers of a run stay connected while they live: tensors may flow on the direct endpoint
+        // for minutes while the libp2p connection only carries gossip, and libp2p would
+        // otherwise close it as idle. Dead peers are still noticed by QUIC's idle timeout.
+        .with_swarm_config(|c| c.with_idle_connection_timeout(SWARM_IDLE_TIMEOUT))
         .build();
     Ok(swarm)
 }
