@@ -376,12 +376,7 @@ pub async fn start(
         let ip = config
             .listen
             .iter()
-            .flat_map(|a| a.iter())
-            .find_map(|p| match p {
-                Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
-                Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
-                _ => None,
-            })
+            .find_map(multiaddr_ip)
             .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
         Some(direct::DirectEndpoint::bind(
             &key,
@@ -453,11 +448,14 @@ async fn event_loop(
     mut commands: mpsc::Receiver<Command>,
     events: mpsc::Sender<NodeEvent>,
 ) {
-    let local = *swarm.local_peer_id();
-    let mut discovered = HashSet::new();
-    let mut pending_circuits: Vec<(PeerId, Multiaddr)> = Vec::new();
-    // The IP each peer's (non-relayed) connection comes from: where its direct endpoint is.
-    let mut remote_ips: HashMap<PeerId, IpAddr> = HashMap::new();
+    let mut state = SwarmState {
+        local: *swarm.local_peer_id(),
+        relay_server,
+        direct_addrs,
+        discovered: HashSet::new(),
+        pending_circuits: Vec::new(),
+        remote_ips: HashMap::new(),
+    };
     loop {
         tokio::select! {
             command = commands.recv() => match command {
@@ -484,7 +482,7 @@ async fn event_loop(
                             if let Err(e) = swarm.dial(relay_address(&addr)) {
                                 tracing::warn!(%addr, "cannot dial the relay: {e}");
                             }
-                            pending_circuits.push((relay, addr));
+                            state.pending_circuits.push((relay, addr));
                         }
                         _ => listen(&mut swarm, addr),
                     }
@@ -494,60 +492,9 @@ async fn event_loop(
                 }
             },
             event = swarm.select_next_some() => {
-                if let SwarmEvent::NewListenAddr { address, .. } = &event {
-                    // A relay serves only from confirmed external addresses. Whoever runs a
-                    // node with --relay-server declares it reachable where it listens (AutoNAT
-                    // confirms addresses of ordinary nodes).
-                    if relay_server {
-                        swarm.add_external_address(address.clone());
-                    }
-                }
-                match &event {
-                    SwarmEvent::ConnectionEstablished { peer_id, endpoint, .. } => {
-                        let addr = endpoint.get_remote_address();
-                        let relayed = addr.iter().any(|p| matches!(p, Protocol::P2pCircuit));
-                        let ip = addr.iter().find_map(|p| match p {
-                            Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
-                            Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
-                            _ => None,
-                        });
-                        if let (false, Some(ip)) = (relayed, ip) {
-                            remote_ips.insert(*peer_id, ip);
-                        }
-                    }
-                    SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
-                        peer_id,
-                        info,
-                        ..
-                    })) => {
-                        if let (Some(port), Some(ip)) =
-                            (advertised_direct_port(&info.agent_version), remote_ips.get(peer_id))
-                        {
-                            direct_addrs
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .insert(*peer_id, SocketAddr::new(*ip, port));
-                        }
-                    }
-                    SwarmEvent::ConnectionClosed { peer_id, num_established: 0, .. } => {
-                        remote_ips.remove(peer_id);
-                        direct_addrs.lock().unwrap_or_else(|e| e.into_inner()).remove(peer_id);
-                    }
-                    _ => {}
-                }
-                if let SwarmEvent::ConnectionEstablished { peer_id, .. } = &event {
-                    let (ready, waiting) = std::mem::take(&mut pending_circuits)
-                        .into_iter()
-                        .partition(|(relay, _)| relay == peer_id);
-                    pending_circuits = waiting;
-                    for (_, addr) in ready {
-                        listen(&mut swarm, addr);
-                    }
-                }
-                let out = handle_event(&mut swarm, event, local, &mut discovered);
-                for e in out {
-                    // The application is slow: drop the oldest kind of news rather than block
-                    // the swarm (which would stall every connection).
+                for e in state.handle(&mut swarm, event) {
+                    // The application is slow: drop this event rather than block the swarm
+                    // (which would stall every connection).
                     if events.try_send(e).is_err() {
                         tracing::warn!("node event queue full; dropping an event");
                     }
@@ -555,6 +502,155 @@ async fn event_loop(
             }
         }
     }
+}
+
+/// What the event loop remembers between swarm events.
+struct SwarmState {
+    local: PeerId,
+    relay_server: bool,
+    /// Shared with the handle: where each peer's direct endpoint is.
+    direct_addrs: DirectAddrs,
+    /// Shoal peers identified so far.
+    discovered: HashSet<PeerId>,
+    /// Relay circuits to listen on once the relay is connected.
+    pending_circuits: Vec<(PeerId, Multiaddr)>,
+    /// The IP each peer's (non-relayed) connection comes from: where its direct endpoint is.
+    remote_ips: HashMap<PeerId, IpAddr>,
+}
+
+impl SwarmState {
+    /// Acts on one swarm event; returns what the application should hear of it.
+    fn handle(
+        &mut self,
+        swarm: &mut Swarm<Behaviour>,
+        event: SwarmEvent<BehaviourEvent>,
+    ) -> Vec<NodeEvent> {
+        let mut out = Vec::new();
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => {
+                // A relay serves only from confirmed external addresses. Whoever runs a node
+                // with --relay-server declares it reachable where it listens (AutoNAT confirms
+                // addresses of ordinary nodes).
+                if self.relay_server {
+                    swarm.add_external_address(address.clone());
+                }
+                out.push(NodeEvent::Listening(with_peer(address, self.local)));
+            }
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                num_established,
+                endpoint,
+                ..
+            } => {
+                let addr = endpoint.get_remote_address();
+                let relayed = addr.iter().any(|p| matches!(p, Protocol::P2pCircuit));
+                if let (false, Some(ip)) = (relayed, multiaddr_ip(addr)) {
+                    self.remote_ips.insert(peer_id, ip);
+                }
+                let (ready, waiting) = std::mem::take(&mut self.pending_circuits)
+                    .into_iter()
+                    .partition(|(relay, _)| *relay == peer_id);
+                self.pending_circuits = waiting;
+                for (_, addr) in ready {
+                    listen(swarm, addr);
+                }
+                if num_established.get() == 1 {
+                    out.push(NodeEvent::Connected(peer_id));
+                }
+            }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established: 0,
+                ..
+            } => {
+                self.remote_ips.remove(&peer_id);
+                self.direct_addrs
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&peer_id);
+                out.push(NodeEvent::Disconnected(peer_id));
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) if info.protocol_version == IDENTIFY_VERSION => {
+                if let (Some(port), Some(ip)) = (
+                    advertised_direct_port(&info.agent_version),
+                    self.remote_ips.get(&peer_id),
+                ) {
+                    self.direct_addrs
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(peer_id, SocketAddr::new(*ip, port));
+                }
+                for addr in info.listen_addrs {
+                    swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                }
+                if self.discovered.insert(peer_id) {
+                    out.push(NodeEvent::Discovered(peer_id));
+                    // Learn who else our new neighbour knows.
+                    let _ = swarm.behaviour_mut().kad.bootstrap();
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::RoutingUpdated {
+                peer, ..
+            })) if !swarm.is_connected(&peer) => {
+                // Peers found through the DHT: connect, so gossip and tensors can flow.
+                let _ = swarm.dial(peer);
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
+                for (peer, addr) in found {
+                    swarm.behaviour_mut().kad.add_address(&peer, addr.clone());
+                    if !swarm.is_connected(&peer) {
+                        let _ = swarm.dial(addr);
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                message,
+                ..
+            })) => {
+                if let Some(from) = message.source {
+                    out.push(NodeEvent::Gossip {
+                        from,
+                        data: message.data,
+                    });
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::RelayClient(
+                relay::client::Event::ReservationReqAccepted { relay_peer_id, .. },
+            )) => {
+                out.push(NodeEvent::RelayReservation(
+                    Multiaddr::empty()
+                        .with(Protocol::P2p(relay_peer_id))
+                        .with(Protocol::P2pCircuit),
+                ));
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result: Ok(_),
+            })) => out.push(NodeEvent::HolePunched(remote_peer_id)),
+            SwarmEvent::IncomingConnectionError {
+                error,
+                send_back_addr,
+                ..
+            } => {
+                tracing::debug!(%send_back_addr, "incoming connection failed: {error}");
+            }
+            _ => {}
+        }
+        out
+    }
+}
+
+/// The IP address in a multiaddr, if it has one.
+fn multiaddr_ip(addr: &Multiaddr) -> Option<IpAddr> {
+    addr.iter().find_map(|p| match p {
+        Protocol::Ip4(ip) => Some(IpAddr::V4(ip)),
+        Protocol::Ip6(ip) => Some(IpAddr::V6(ip)),
+        _ => None,
+    })
 }
 
 fn listen(swarm: &mut Swarm<Behaviour>, addr: Multiaddr) {
@@ -589,91 +685,4 @@ fn with_peer(addr: Multiaddr, peer: PeerId) -> Multiaddr {
         Some(Protocol::P2p(p)) if p == peer => addr,
         _ => addr.with(Protocol::P2p(peer)),
     }
-}
-
-fn handle_event(
-    swarm: &mut Swarm<Behaviour>,
-    event: SwarmEvent<BehaviourEvent>,
-    local: PeerId,
-    discovered: &mut HashSet<PeerId>,
-) -> Vec<NodeEvent> {
-    let mut out = Vec::new();
-    match event {
-        SwarmEvent::NewListenAddr { address, .. } => {
-            out.push(NodeEvent::Listening(with_peer(address, local)));
-        }
-        SwarmEvent::ConnectionEstablished {
-            peer_id,
-            num_established,
-            ..
-        } if num_established.get() == 1 => out.push(NodeEvent::Connected(peer_id)),
-        SwarmEvent::ConnectionClosed {
-            peer_id,
-            num_established: 0,
-            ..
-        } => out.push(NodeEvent::Disconnected(peer_id)),
-        SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
-            peer_id,
-            info,
-            ..
-        })) if info.protocol_version == IDENTIFY_VERSION => {
-            for addr in info.listen_addrs {
-                swarm.behaviour_mut().kad.add_address(&peer_id, addr);
-            }
-            if discovered.insert(peer_id) {
-                out.push(NodeEvent::Discovered(peer_id));
-                // Learn who else our new neighbour knows.
-                let _ = swarm.behaviour_mut().kad.bootstrap();
-            }
-        }
-        SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::RoutingUpdated { peer, .. }))
-            if !swarm.is_connected(&peer) =>
-        {
-            // Peers found through the DHT: connect, so gossip and tensors can flow.
-            let _ = swarm.dial(peer);
-        }
-        SwarmEvent::Behaviour(BehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
-            for (peer, addr) in found {
-                swarm.behaviour_mut().kad.add_address(&peer, addr.clone());
-                if !swarm.is_connected(&peer) {
-                    let _ = swarm.dial(addr);
-                }
-            }
-        }
-        SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
-            message,
-            ..
-        })) => {
-            if let Some(from) = message.source {
-                out.push(NodeEvent::Gossip {
-                    from,
-                    data: message.data,
-                });
-            }
-        }
-        SwarmEvent::Behaviour(BehaviourEvent::RelayClient(
-            relay::client::Event::ReservationReqAccepted { relay_peer_id, .. },
-        )) => {
-            out.push(NodeEvent::RelayReservation(
-                Multiaddr::empty()
-                    .with(Protocol::P2p(relay_peer_id))
-                    .with(Protocol::P2pCircuit),
-            ));
-        }
-        SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
-            remote_peer_id,
-            result: Ok(_),
-        })) => {
-            out.push(NodeEvent::HolePunched(remote_peer_id));
-        }
-        SwarmEvent::IncomingConnectionError {
-            error,
-            send_back_addr,
-            ..
-        } => {
-            tracing::debug!(%send_back_addr, "incoming connection failed: {error}");
-        }
-        _ => {}
-    }
-    out
 }

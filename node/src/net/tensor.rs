@@ -1,5 +1,6 @@
-//! Tensor transport: one framed message per QUIC stream (`/shoal/tensor/1`), on the libp2p
-//! connection to the peer (so NAT traversal and PeerId authentication come for free).
+//! Tensor transport: one framed message per QUIC stream, on the libp2p connection to the peer
+//! (`/shoal/tensor/1`: NAT traversal and PeerId authentication come for free) or on the direct
+//! endpoint (`direct.rs`); both kinds of stream go through the same [`Admission`].
 //!
 //! The sender opens a stream, writes the frame and waits for a one-byte acknowledgement; the
 //! receiver reads the 12-byte frame header, checks it against the caps before allocating, reads
