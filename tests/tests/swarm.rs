@@ -133,6 +133,22 @@ fn five_processes_discover_gossip_exchange_and_survive_a_kill() {
             }
         }
     }
+    for (i, node) in nodes.iter_mut().enumerate() {
+        for (j, to) in survivors.iter().enumerate() {
+            if i != j {
+                let outcome = node.wait_for(Duration::from_secs(30), |e| {
+                    e["to"] == to.as_str()
+                        && (e["event"] == "send_failed"
+                            || (e["event"] == "sent"
+                                && e["bytes"].as_u64().is_some_and(|b| b < 10_000)))
+                });
+                assert_eq!(
+                    outcome["event"], "sent",
+                    "after the kill, node {i} -> {j}: {outcome}"
+                );
+            }
+        }
+    }
     for (j, node) in nodes.iter_mut().enumerate() {
         for (i, from) in survivors.iter().enumerate() {
             if i != j {

@@ -154,6 +154,9 @@ pub async fn write_frame<S: AsyncRead + AsyncWrite + Unpin>(
     }
 }
 
+/// How long opening a stream (dialling included) may take.
+const OPEN_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Attempts at opening a stream before giving up.
 const OPEN_ATTEMPTS: u32 = 3;
 
@@ -165,7 +168,15 @@ const OPEN_ATTEMPTS: u32 = 3;
 pub async fn open_stream(control: &mut Control, peer: PeerId) -> Result<libp2p::Stream, SendError> {
     let mut attempt = 1;
     loop {
-        match control.open_stream(peer, TENSOR_PROTOCOL).await {
+        // Opening may dial the peer; bound the wait like every other step of a transfer.
+        let open = tokio::time::timeout(OPEN_TIMEOUT, control.open_stream(peer, TENSOR_PROTOCOL));
+        let Ok(opened) = open.await else {
+            return Err(SendError::Open {
+                peer,
+                reason: "timed out".into(),
+            });
+        };
+        match opened {
             Ok(stream) => return Ok(stream),
             Err(libp2p_stream::OpenStreamError::Io(e)) if attempt < OPEN_ATTEMPTS => {
                 tracing::debug!(%peer, attempt, "opening a tensor stream failed, retrying: {e}");
