@@ -143,7 +143,10 @@ pub async fn write_frame<S: AsyncRead + AsyncWrite + Unpin>(
                 "bad acknowledgement",
             ));
         }
-        stream.close().await
+        // Acknowledged: the frame is delivered. The receiver may already have dropped its end
+        // (QUIC then answers our close with STOP_SENDING), which is no failure.
+        let _ = stream.close().await;
+        Ok(())
     };
     match tokio::time::timeout(limits.timeout_for(payload.len()), transfer).await {
         Ok(result) => result,
