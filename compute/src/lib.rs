@@ -18,6 +18,7 @@ pub mod config;
 pub mod data;
 pub mod optim;
 pub mod pipeline;
+pub mod replica;
 pub mod rng;
 pub mod stage;
 
@@ -26,4 +27,5 @@ pub use config::{ModelConfig, Preset};
 pub use data::{Batch, Corpus, DataError, DataLoader, Shard};
 pub use optim::{AdamW, LrSchedule};
 pub use pipeline::{LocalPipeline, StepStats, Transit};
+pub use replica::{ReplicaError, StageReplica, write_atomic};
 pub use stage::{MicrobatchId, Stage, StageError, StageSpec};

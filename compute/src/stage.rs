@@ -1022,6 +1022,15 @@ impl<B: Backend> Stage<B> {
         }
     }
 
+    /// Forgets every in-flight microbatch (e.g. after the parameters were replaced, so their
+    /// saved activations no longer match). Returns how many there were.
+    pub fn discard_all(&mut self) -> usize {
+        let n = self.in_flight.len();
+        self.spare
+            .extend(self.in_flight.drain().map(|(_, saved)| saved));
+        n
+    }
+
     /// Sets all parameter gradients to zero.
     pub fn zero_grads(&mut self) -> Result<(), StageError> {
         for g in self.grads.iter_mut() {
@@ -1126,6 +1135,31 @@ impl<B: Backend> Stage<B> {
     pub fn upload_grads(&mut self, values: &[f32]) -> Result<(), StageError> {
         self.check_flat_len(values.len())?;
         upload_all(&*self.backend, &self.info, &mut self.grads, values)
+    }
+
+    /// AdamW's first and second moments, each in storage order and concatenated like
+    /// [`Stage::download_params`].
+    pub fn download_optimizer_state(&self) -> Result<(Vec<f32>, Vec<f32>), StageError> {
+        Ok((
+            self.download_all(&self.adam_m)?,
+            self.download_all(&self.adam_v)?,
+        ))
+    }
+
+    /// Overwrites AdamW's moments and its step count (which drives bias correction), e.g. to
+    /// resume from a checkpoint or take over another replica's state.
+    pub fn upload_optimizer_state(
+        &mut self,
+        m: &[f32],
+        v: &[f32],
+        steps: u64,
+    ) -> Result<(), StageError> {
+        self.check_flat_len(m.len())?;
+        self.check_flat_len(v.len())?;
+        upload_all(&*self.backend, &self.info, &mut self.adam_m, m)?;
+        upload_all(&*self.backend, &self.info, &mut self.adam_v, v)?;
+        self.optimizer_steps = steps;
+        Ok(())
     }
 
     fn check_flat_len(&self, len: usize) -> Result<(), StageError> {

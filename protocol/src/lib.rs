@@ -15,6 +15,7 @@ pub const PROTOCOL_VERSION: u16 = 1;
 
 pub mod codec;
 mod simd;
+pub mod swarm;
 pub mod wire;
 
 pub use codec::{Codec, CodecError, Decoder, Encoder, ErrorFeedback, TensorHeader, ValueFormat};

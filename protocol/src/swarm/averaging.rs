@@ -1,0 +1,560 @@
+//! One averaging round among the replicas of a stage: a compressed reduce-scatter followed by
+//! an all-gather, tolerant of members vanishing at any point.
+//!
+//! The leader (the smallest key among the replicas a member knows) collects `Join`s for a
+//! short window and announces the group; member i then owns part i of the flattened vector.
+//! Every member sends part j of its contribution (a sum over its samples, with the sample
+//! count) to owner j; each owner divides the sum of what reached it by the samples behind it
+//! and sends the averaged part, encoded once, to everyone. All members, the owner included,
+//! use the decoded bytes, so every replica applies bit-identical values.
+//!
+//! Faults: a member that never sends its part is left out of that part's average (the others
+//! still average over the samples they have). An owner that vanishes before sending its
+//! averaged part to everyone: the members missing it ask the others, and take it from anyone
+//! who got it; if nobody did, everyone uses zero for that part (so that part takes no gradient
+//! step, identically everywhere). A member left out of the group stays behind and re-syncs.
+
+use super::PeerKey;
+use super::config::Timing;
+use super::message::{RoundKey, RoundMsg};
+use crate::{Codec, Decoder, Encoder};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::Range;
+use std::time::Duration;
+
+/// Early messages buffered before the group is known, at most.
+const MAX_EARLY: usize = 256;
+
+/// What a round wants its owner to do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RoundOut {
+    /// Send this to that member.
+    Send(PeerKey, RoundMsg),
+    /// The group is fixed: provide this replica's contribution ([`Round::contribute`]).
+    NeedContribution,
+    /// The round is over: apply this.
+    Finished(RoundResult),
+    /// This replica is not part of the round (no start came, or the group left it out); its
+    /// accumulated contribution is kept for the next attempt.
+    Failed(&'static str),
+}
+
+/// The outcome of a round.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RoundResult {
+    /// The averaged vector, identical on every member.
+    pub averaged: Vec<f32>,
+    /// The members.
+    pub group: Vec<PeerKey>,
+    /// Samples behind this member's own part's average.
+    pub samples: f64,
+    /// Members whose share did not reach this member's part in time.
+    pub left_out: Vec<PeerKey>,
+    /// Parts nobody could deliver (zero everywhere).
+    pub zeroed: Vec<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Phase {
+    /// Leader: collecting joins until the window closes or every replica joined.
+    Gathering,
+    /// Follower: waiting for the leader's start.
+    AwaitStart,
+    /// Group known, contribution requested.
+    AwaitContribution,
+    /// Parts sent; owning one part and collecting the others.
+    Exchanging,
+    /// Asking other members for averaged parts whose owner went quiet.
+    Filling,
+    /// Over.
+    Done,
+}
+
+/// One round, from this member's point of view.
+#[derive(Debug)]
+pub struct Round {
+    key: RoundKey,
+    me: PeerKey,
+    len: usize,
+    codec: Codec,
+    timing: Timing,
+    phase: Phase,
+    expected: BTreeSet<PeerKey>,
+    joined: BTreeSet<PeerKey>,
+    group: Vec<PeerKey>,
+    early: Vec<(PeerKey, RoundMsg)>,
+    /// Shares of the part this member owns: values (sums) and samples per sender.
+    shares: BTreeMap<PeerKey, (Vec<f32>, f64)>,
+    owned_done: bool,
+    averaged: Vec<Option<Vec<f32>>>,
+    /// Averaged parts as encoded, to answer requests.
+    encoded: BTreeMap<u32, (f64, Vec<u8>)>,
+    own_samples: f64,
+    missing_answers: BTreeMap<u32, BTreeSet<PeerKey>>,
+    started: Duration,
+    deadline: Option<Duration>,
+    out: VecDeque<RoundOut>,
+    encoder: Encoder,
+    decoder: Decoder,
+}
+
+/// Part `j` of `n` over a vector of `len` values.
+pub fn part_range(len: usize, n: usize, j: usize) -> Range<usize> {
+    let n = n.max(1);
+    (j * len / n)..((j + 1) * len / n)
+}
+
+impl Round {
+    fn new(
+        key: RoundKey,
+        me: PeerKey,
+        len: usize,
+        codec: Codec,
+        timing: Timing,
+        now: Duration,
+    ) -> Self {
+        Round {
+            key,
+            me,
+            len,
+            codec,
+            timing,
+            phase: Phase::Done,
+            expected: BTreeSet::new(),
+            joined: BTreeSet::new(),
+            group: Vec::new(),
+            early: Vec::new(),
+            shares: BTreeMap::new(),
+            owned_done: false,
+            averaged: Vec::new(),
+            encoded: BTreeMap::new(),
+            own_samples: 0.0,
+            missing_answers: BTreeMap::new(),
+            started: now,
+            deadline: None,
+            out: VecDeque::new(),
+            encoder: Encoder::new(),
+            decoder: Decoder::with_max_elements(len),
+        }
+    }
+
+    /// This member leads the round; `others` are the stage's other replicas it knows of.
+    pub fn lead(
+        key: RoundKey,
+        me: PeerKey,
+        others: &[PeerKey],
+        len: usize,
+        codec: Codec,
+        timing: Timing,
+        now: Duration,
+    ) -> Self {
+        let mut r = Round::new(key, me, len, codec, timing, now);
+        r.expected = others.iter().copied().filter(|k| *k != me).collect();
+        r.joined.insert(me);
+        r.phase = Phase::Gathering;
+        r.deadline = Some(now + timing.join_window);
+        r.maybe_start(now, false);
+        r
+    }
+
+    /// This member follows `leader`.
+    pub fn follow(
+        key: RoundKey,
+        me: PeerKey,
+        leader: PeerKey,
+        len: usize,
+        codec: Codec,
+        timing: Timing,
+        now: Duration,
+    ) -> Self {
+        let mut r = Round::new(key, me, len, codec, timing, now);
+        r.phase = Phase::AwaitStart;
+        r.deadline = Some(now + timing.join_window + timing.round_timeout);
+        r.out.push_back(RoundOut::Send(leader, RoundMsg::Join));
+        r
+    }
+
+    /// Which round.
+    pub fn key(&self) -> RoundKey {
+        self.key
+    }
+
+    /// Whether the round is over (finished or failed).
+    pub fn is_done(&self) -> bool {
+        self.phase == Phase::Done
+    }
+
+    /// Whether this member's contribution has been taken (from then on, new work counts
+    /// toward the next round).
+    pub fn contributed(&self) -> bool {
+        matches!(self.phase, Phase::Exchanging | Phase::Filling)
+            || (self.phase == Phase::Done && !self.group.is_empty())
+    }
+
+    /// When [`Round::handle_timeout`] should be called.
+    pub fn deadline(&self) -> Option<Duration> {
+        self.deadline
+    }
+
+    /// The next thing to do.
+    pub fn poll(&mut self) -> Option<RoundOut> {
+        self.out.pop_front()
+    }
+
+    fn maybe_start(&mut self, now: Duration, window_closed: bool) {
+        if self.phase != Phase::Gathering {
+            return;
+        }
+        if !window_closed && !self.expected.iter().all(|k| self.joined.contains(k)) {
+            return;
+        }
+        self.group = self.joined.iter().copied().collect();
+        for &k in &self.group {
+            if k != self.me {
+                self.out.push_back(RoundOut::Send(
+                    k,
+                    RoundMsg::Start {
+                        group: self.group.clone(),
+                    },
+                ));
+            }
+        }
+        self.begin(now);
+    }
+
+    fn begin(&mut self, now: Duration) {
+        self.phase = Phase::AwaitContribution;
+        self.deadline = None;
+        self.started = now;
+        self.averaged = vec![None; self.group.len()];
+        self.out.push_back(RoundOut::NeedContribution);
+    }
+
+    fn my_index(&self) -> Option<usize> {
+        self.group.iter().position(|k| *k == self.me)
+    }
+
+    fn range(&self, j: usize) -> Range<usize> {
+        part_range(self.len, self.group.len(), j)
+    }
+
+    /// This member's contribution: the sum over its samples, and how many samples.
+    pub fn contribute(&mut self, values: &[f32], samples: f64, now: Duration) {
+        if self.phase != Phase::AwaitContribution || values.len() != self.len {
+            return;
+        }
+        let Some(me) = self.my_index() else {
+            return;
+        };
+        self.own_samples = samples;
+        self.started = now;
+        let mut buf = Vec::new();
+        for j in 0..self.group.len() {
+            let r = self.range(j);
+            if j == me {
+                self.shares.insert(self.me, (values[r].to_vec(), samples));
+                continue;
+            }
+            if r.is_empty() {
+                continue;
+            }
+            if self
+                .encoder
+                .encode(self.codec, &values[r.clone()], &[r.len()], &mut buf)
+                .is_ok()
+            {
+                self.out.push_back(RoundOut::Send(
+                    self.group[j],
+                    RoundMsg::Part {
+                        part: j as u32,
+                        samples,
+                        data: buf.clone(),
+                    },
+                ));
+            }
+            if r.is_empty() {
+                self.averaged[j] = Some(Vec::new());
+            }
+        }
+        for j in 0..self.group.len() {
+            if self.range(j).is_empty() {
+                self.averaged[j] = Some(Vec::new());
+            }
+        }
+        self.phase = Phase::Exchanging;
+        self.deadline = Some(now + self.timing.round_timeout);
+        for (from, msg) in std::mem::take(&mut self.early) {
+            self.handle(from, msg, now);
+        }
+        self.maybe_reduce(now, false);
+        self.maybe_finish(now);
+    }
+
+    fn decode(&mut self, data: &[u8], expect: usize) -> Option<Vec<f32>> {
+        let mut out = Vec::new();
+        match self.decoder.decode(data, &mut out) {
+            Ok(_) if out.len() == expect && out.iter().all(|v| v.is_finite()) => Some(out),
+            _ => None,
+        }
+    }
+
+    /// A round message from `from`.
+    pub fn handle(&mut self, from: PeerKey, msg: RoundMsg, now: Duration) {
+        match (&self.phase, msg) {
+            (Phase::Gathering, RoundMsg::Join) => {
+                self.joined.insert(from);
+                self.maybe_start(now, false);
+            }
+            (Phase::AwaitStart, RoundMsg::Start { group }) => {
+                let mut sorted = group.clone();
+                sorted.sort();
+                sorted.dedup();
+                if sorted.len() != group.len() || group.len() > 4096 {
+                    return;
+                }
+                if !group.contains(&self.me) {
+                    self.fail("the round's group left this replica out");
+                    return;
+                }
+                self.group = group;
+                self.begin(now);
+            }
+            (
+                Phase::AwaitStart | Phase::AwaitContribution,
+                msg @ (RoundMsg::Part { .. } | RoundMsg::Averaged { .. }),
+            ) if self.early.len() < MAX_EARLY => self.early.push((from, msg)),
+            (
+                Phase::Exchanging | Phase::Filling,
+                RoundMsg::Part {
+                    part,
+                    samples,
+                    data,
+                },
+            ) => {
+                let Some(me) = self.my_index() else { return };
+                if part as usize != me || self.owned_done || !self.group.contains(&from) {
+                    return;
+                }
+                if !(samples.is_finite() && samples >= 0.0) {
+                    return;
+                }
+                let expect = self.range(me).len();
+                if let Some(v) = self.decode(&data, expect) {
+                    self.shares.insert(from, (v, samples));
+                }
+                self.maybe_reduce(now, false);
+                self.maybe_finish(now);
+            }
+            (
+                Phase::Exchanging | Phase::Filling,
+                RoundMsg::Averaged {
+                    part,
+                    samples,
+                    data,
+                },
+            ) => {
+                let j = part as usize;
+                if j >= self.group.len()
+                    || self.averaged[j].is_some()
+                    || !self.group.contains(&from)
+                {
+                    return;
+                }
+                let expect = self.range(j).len();
+                if let Some(v) = self.decode(&data, expect) {
+                    self.averaged[j] = Some(v);
+                    self.encoded.insert(part, (samples, data));
+                }
+                self.maybe_finish(now);
+            }
+            (Phase::Filling, RoundMsg::Missing { part }) if self.group.contains(&from) => {
+                self.missing_answers.entry(part).or_default().insert(from);
+                self.maybe_give_up_fill(now);
+            }
+            (_, RoundMsg::Request { part }) => {
+                let reply = match self.encoded.get(&part) {
+                    Some((samples, data)) => RoundMsg::Averaged {
+                        part,
+                        samples: *samples,
+                        data: data.clone(),
+                    },
+                    None => RoundMsg::Missing { part },
+                };
+                if self.group.contains(&from) {
+                    self.out.push_back(RoundOut::Send(from, reply));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn maybe_reduce(&mut self, now: Duration, timed_out: bool) {
+        if self.owned_done || self.phase != Phase::Exchanging {
+            return;
+        }
+        let Some(me) = self.my_index() else { return };
+        let all = self.group.iter().all(|k| self.shares.contains_key(k));
+        if !all && !timed_out {
+            return;
+        }
+        self.owned_done = true;
+        let r = self.range(me);
+        let mut sum = vec![0.0f64; r.len()];
+        let mut samples = 0.0;
+        for (v, s) in self.shares.values() {
+            for (a, b) in sum.iter_mut().zip(v) {
+                *a += *b as f64;
+            }
+            samples += s;
+        }
+        let avg: Vec<f32> = if samples > 0.0 {
+            sum.iter().map(|v| (v / samples) as f32).collect()
+        } else {
+            vec![0.0; r.len()]
+        };
+        let mut data = Vec::new();
+        if self.group.len() == 1 {
+            // Alone: nothing travels, so nothing needs compressing.
+            self.averaged[me] = Some(avg);
+        } else if r.is_empty()
+            || self
+                .encoder
+                .encode(self.codec, &avg, &[r.len()], &mut data)
+                .is_err()
+        {
+            self.averaged[me] = Some(avg);
+        } else {
+            // The owner uses the decoded bytes too, so every replica holds the same values.
+            let decoded = self.decode(&data, r.len()).unwrap_or(avg);
+            self.averaged[me] = Some(decoded);
+            for &k in &self.group {
+                if k != self.me {
+                    self.out.push_back(RoundOut::Send(
+                        k,
+                        RoundMsg::Averaged {
+                            part: me as u32,
+                            samples,
+                            data: data.clone(),
+                        },
+                    ));
+                }
+            }
+            self.encoded.insert(me as u32, (samples, data));
+        }
+        let _ = now;
+    }
+
+    fn maybe_finish(&mut self, _now: Duration) {
+        if !matches!(self.phase, Phase::Exchanging | Phase::Filling) || !self.owned_done {
+            return;
+        }
+        if self.averaged.iter().any(|p| p.is_none()) {
+            return;
+        }
+        self.finish(Vec::new());
+    }
+
+    fn finish(&mut self, zeroed: Vec<u32>) {
+        let mut averaged = Vec::with_capacity(self.len);
+        for (j, p) in self.averaged.iter().enumerate() {
+            match p {
+                Some(v) => averaged.extend_from_slice(v),
+                None => averaged.extend(std::iter::repeat_n(0.0, self.range(j).len())),
+            }
+        }
+        let left_out = self
+            .group
+            .iter()
+            .copied()
+            .filter(|k| !self.shares.contains_key(k))
+            .collect();
+        let samples = self
+            .my_index()
+            .and_then(|m| self.encoded.get(&(m as u32)).map(|e| e.0))
+            .unwrap_or(self.own_samples);
+        self.phase = Phase::Done;
+        self.deadline = None;
+        self.out.push_back(RoundOut::Finished(RoundResult {
+            averaged,
+            group: self.group.clone(),
+            samples,
+            left_out,
+            zeroed,
+        }));
+    }
+
+    fn fail(&mut self, why: &'static str) {
+        self.phase = Phase::Done;
+        self.deadline = None;
+        self.group.clear();
+        self.out.push_back(RoundOut::Failed(why));
+    }
+
+    fn maybe_give_up_fill(&mut self, _now: Duration) {
+        if self.phase != Phase::Filling {
+            return;
+        }
+        let me = self.my_index();
+        let all_said_missing = |j: usize| {
+            let asked: Vec<PeerKey> = self
+                .group
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != j && Some(*i) != me)
+                .map(|(_, k)| *k)
+                .collect();
+            let answers = self.missing_answers.get(&(j as u32));
+            asked.iter().all(|k| answers.is_some_and(|a| a.contains(k)))
+        };
+        let missing: Vec<usize> = (0..self.group.len())
+            .filter(|j| self.averaged[*j].is_none())
+            .collect();
+        if missing.iter().all(|j| all_said_missing(*j)) {
+            self.finish(missing.iter().map(|j| *j as u32).collect());
+        }
+    }
+
+    /// Time passed.
+    pub fn handle_timeout(&mut self, now: Duration) {
+        if self.deadline.is_none_or(|d| now < d) {
+            return;
+        }
+        match self.phase {
+            Phase::Gathering => self.maybe_start(now, true),
+            Phase::AwaitStart => self.fail("no start from the round's leader"),
+            Phase::Exchanging if !self.owned_done => {
+                self.maybe_reduce(now, true);
+                self.maybe_finish(now);
+                if self.phase == Phase::Exchanging {
+                    self.deadline = Some(now + self.timing.round_timeout / 2);
+                }
+            }
+            Phase::Exchanging => {
+                // Owners that went quiet: ask everyone else for their parts.
+                let me = self.my_index();
+                for j in 0..self.group.len() {
+                    if self.averaged[j].is_some() {
+                        continue;
+                    }
+                    for (i, &k) in self.group.iter().enumerate() {
+                        if i != j && Some(i) != me {
+                            self.out
+                                .push_back(RoundOut::Send(k, RoundMsg::Request { part: j as u32 }));
+                        }
+                    }
+                }
+                self.phase = Phase::Filling;
+                self.deadline = Some(now + self.timing.round_timeout / 2);
+                self.maybe_give_up_fill(now);
+            }
+            Phase::Filling => {
+                let zeroed = (0..self.group.len())
+                    .filter(|j| self.averaged[*j].is_none())
+                    .map(|j| j as u32)
+                    .collect();
+                self.finish(zeroed);
+            }
+            Phase::AwaitContribution | Phase::Done => self.deadline = None,
+        }
+    }
+}

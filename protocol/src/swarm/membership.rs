@@ -1,0 +1,377 @@
+//! Who serves which stage, how fast, as learned from announcements; and the three decisions
+//! made from it: where to send a microbatch, which stage a joiner takes, and whether some peer
+//! should move to another stage.
+
+use super::message::{Announcement, MemberState};
+use super::{PeerKey, SeededRng};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// What is known of one other peer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Member {
+    /// Its latest announcement.
+    pub announcement: Announcement,
+    /// When it was last heard from.
+    pub last_seen: Duration,
+}
+
+impl Member {
+    /// Whether it serves `stage` now.
+    pub fn serves(&self, stage: u32) -> bool {
+        self.announcement.state == MemberState::Serving && self.announcement.stage == Some(stage)
+    }
+}
+
+/// The other peers of the run (never this peer itself).
+#[derive(Clone, Debug, Default)]
+pub struct Membership {
+    members: BTreeMap<PeerKey, Member>,
+}
+
+/// At most this many peers are tracked; announcements from more are ignored (bounds memory
+/// whatever the network sends).
+pub const MAX_MEMBERS: usize = 4096;
+
+impl Membership {
+    /// Records an announcement. Returns whether the peer is new.
+    pub fn update(&mut self, peer: PeerKey, announcement: Announcement, now: Duration) -> bool {
+        if announcement.state == MemberState::Leaving {
+            self.members.remove(&peer);
+            return false;
+        }
+        let new = !self.members.contains_key(&peer);
+        if new && self.members.len() >= MAX_MEMBERS {
+            return false;
+        }
+        self.members.insert(
+            peer,
+            Member {
+                announcement,
+                last_seen: now,
+            },
+        );
+        new
+    }
+
+    /// Notes that `peer` was heard from (any message) without a new announcement.
+    pub fn touch(&mut self, peer: PeerKey, now: Duration) {
+        if let Some(m) = self.members.get_mut(&peer) {
+            m.last_seen = now;
+        }
+    }
+
+    /// Forgets a peer (it left, its connection died or a send to it failed).
+    pub fn remove(&mut self, peer: PeerKey) -> bool {
+        self.members.remove(&peer).is_some()
+    }
+
+    /// Forgets peers silent for longer than `timeout`; returns them.
+    pub fn expire(&mut self, now: Duration, timeout: Duration) -> Vec<PeerKey> {
+        let gone: Vec<PeerKey> = self
+            .members
+            .iter()
+            .filter(|(_, m)| now.saturating_sub(m.last_seen) > timeout)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in &gone {
+            self.members.remove(k);
+        }
+        gone
+    }
+
+    /// One peer.
+    pub fn get(&self, peer: PeerKey) -> Option<&Member> {
+        self.members.get(&peer)
+    }
+
+    /// All known peers.
+    pub fn iter(&self) -> impl Iterator<Item = (&PeerKey, &Member)> {
+        self.members.iter()
+    }
+
+    /// Number of known peers.
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    /// Whether no other peer is known.
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// The peers serving `stage`, in key order.
+    pub fn replicas(&self, stage: u32) -> Vec<PeerKey> {
+        self.members
+            .iter()
+            .filter(|(_, m)| m.serves(stage))
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// Picks the replica of `stage` to send a microbatch to: random, weighted by measured
+    /// throughput over (1 + queue), so fast idle peers get more work and a peer that stopped
+    /// answering (and so stopped being announced) gets none. `avoid` is skipped unless it is
+    /// the only choice (a retry goes elsewhere when it can).
+    pub fn route(
+        &self,
+        stage: u32,
+        avoid: Option<PeerKey>,
+        rng: &mut SeededRng,
+    ) -> Option<PeerKey> {
+        let mut candidates = self.replicas(stage);
+        if candidates.len() > 1 {
+            candidates.retain(|k| Some(*k) != avoid);
+        }
+        let weights = route_weights(
+            candidates
+                .iter()
+                .filter_map(|k| self.members.get(k))
+                .map(|m| &m.announcement),
+        );
+        rng.weighted(&weights).map(|i| candidates[i])
+    }
+}
+
+/// Routing weights of a list of candidate announcements: throughput / (1 + queue). Peers not
+/// measured yet count as the mean of the measured ones (or 1 if none is), so newcomers get
+/// work from the start.
+pub fn route_weights<'a>(candidates: impl Iterator<Item = &'a Announcement>) -> Vec<f64> {
+    let list: Vec<&Announcement> = candidates.collect();
+    let measured: Vec<f64> = list
+        .iter()
+        .map(|a| a.throughput as f64)
+        .filter(|t| t.is_finite() && *t > 0.0)
+        .collect();
+    let default = if measured.is_empty() {
+        1.0
+    } else {
+        measured.iter().sum::<f64>() / measured.len() as f64
+    };
+    list.iter()
+        .map(|a| {
+            let t = a.throughput as f64;
+            let t = if t.is_finite() && t > 0.0 { t } else { default };
+            t / (1.0 + a.queue as f64)
+        })
+        .collect()
+}
+
+/// One peer's place in the balance: its stage and its measured throughput there.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Placement {
+    /// The peer.
+    pub peer: PeerKey,
+    /// Its stage.
+    pub stage: u32,
+    /// Samples per second at that stage (0 if not measured).
+    pub throughput: f64,
+}
+
+/// Per-stage throughput (samples/s summed over replicas) and replica counts.
+pub fn stage_totals(placements: &[Placement], stages: u32) -> Vec<(f64, usize)> {
+    let mut totals = vec![(0.0, 0usize); stages as usize];
+    for p in placements {
+        if let Some(t) = totals.get_mut(p.stage as usize) {
+            t.0 += p.throughput;
+            t.1 += 1;
+        }
+    }
+    totals
+}
+
+/// The stage a joiner takes: one with no replica first, then the one with the least
+/// throughput, then the fewest replicas, then the lowest index.
+pub fn choose_stage(placements: &[Placement], stages: u32) -> u32 {
+    let totals = stage_totals(placements, stages);
+    let mut best = 0usize;
+    for (i, t) in totals.iter().enumerate() {
+        let b = totals[best];
+        let key = |t: (f64, usize)| (t.1 > 0, t.0, t.1);
+        let (ka, kb) = (key(*t), key(b));
+        let better = match (ka.0, kb.0) {
+            (false, true) => true,
+            (true, false) => false,
+            _ => ka.1 < kb.1 || (ka.1 == kb.1 && ka.2 < kb.2),
+        };
+        if better {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// A proposed move of one peer to another stage.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Move {
+    /// Who moves.
+    pub peer: PeerKey,
+    /// From which stage.
+    pub from: u32,
+    /// To which stage.
+    pub to: u32,
+    /// The slowest stage's throughput before the move.
+    pub before: f64,
+    /// And after.
+    pub after: f64,
+}
+
+/// The move that most raises the slowest stage's throughput, if one raises it by more than
+/// `gain` (hysteresis: small improvements are not worth a state transfer and would make
+/// peers flap between stages). A peer's throughput at another stage is estimated by scaling
+/// with the stages' FLOPs per sample. Only measured peers move; no move empties a stage.
+pub fn plan_move(placements: &[Placement], flops_per_sample: &[f64], gain: f64) -> Option<Move> {
+    let stages = flops_per_sample.len() as u32;
+    let totals = stage_totals(placements, stages);
+    if totals.iter().any(|t| t.1 == 0) || placements.iter().any(|p| p.throughput <= 0.0) {
+        return None;
+    }
+    let slowest = |t: &[f64]| t.iter().copied().fold(f64::INFINITY, f64::min);
+    let base: Vec<f64> = totals.iter().map(|t| t.0).collect();
+    let before = slowest(&base);
+    let mut best: Option<Move> = None;
+    for p in placements {
+        for to in 0..stages {
+            if to == p.stage {
+                continue;
+            }
+            let mut t = base.clone();
+            t[p.stage as usize] -= p.throughput;
+            if totals[p.stage as usize].1 <= 1 {
+                continue;
+            }
+            let scale = flops_per_sample[p.stage as usize] / flops_per_sample[to as usize];
+            t[to as usize] += p.throughput * scale;
+            let after = slowest(&t);
+            let better = match best {
+                None => true,
+                Some(b) => after > b.after + 1e-12 || (after >= b.after - 1e-12 && p.peer < b.peer),
+            };
+            if better {
+                best = Some(Move {
+                    peer: p.peer,
+                    from: p.stage,
+                    to,
+                    before,
+                    after,
+                });
+            }
+        }
+    }
+    best.filter(|m| m.after > m.before * (1.0 + gain))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn announcement(stage: u32, throughput: f32, queue: u32) -> Announcement {
+        Announcement {
+            stage: Some(stage),
+            state: MemberState::Serving,
+            throughput,
+            queue,
+            step: 0,
+            round: 0,
+            params_hash: None,
+            finished: false,
+            loss: None,
+        }
+    }
+
+    #[test]
+    fn routing_weights_follow_throughput() {
+        let mut m = Membership::default();
+        let now = Duration::ZERO;
+        m.update(PeerKey(1), announcement(1, 30.0, 0), now);
+        m.update(PeerKey(2), announcement(1, 10.0, 0), now);
+        m.update(PeerKey(3), announcement(2, 99.0, 0), now);
+        let mut rng = SeededRng::new(7);
+        let mut counts = [0u32; 3];
+        for _ in 0..20_000 {
+            let k = m.route(1, None, &mut rng).unwrap();
+            counts[k.0 as usize - 1] += 1;
+        }
+        assert_eq!(counts[2], 0, "never routes to another stage");
+        let share = counts[0] as f64 / 20_000.0;
+        assert!(
+            (share - 0.75).abs() < 0.02,
+            "fast peer gets 3/4, got {share}"
+        );
+        // A queue of 2 on the fast peer makes them equal.
+        m.update(PeerKey(1), announcement(1, 30.0, 2), now);
+        let w = route_weights([announcement(1, 30.0, 2), announcement(1, 10.0, 0)].iter());
+        assert!((w[0] - w[1]).abs() < 1e-9);
+        // Retries avoid the previous replica when another exists.
+        for _ in 0..100 {
+            assert_eq!(m.route(1, Some(PeerKey(1)), &mut rng), Some(PeerKey(2)));
+        }
+        // A gone peer gets nothing.
+        m.remove(PeerKey(2));
+        assert_eq!(m.route(1, Some(PeerKey(1)), &mut rng), Some(PeerKey(1)));
+        m.remove(PeerKey(1));
+        assert_eq!(m.route(1, None, &mut rng), None);
+    }
+
+    #[test]
+    fn silent_peers_expire() {
+        let mut m = Membership::default();
+        m.update(PeerKey(1), announcement(0, 1.0, 0), Duration::from_secs(1));
+        m.update(PeerKey(2), announcement(0, 1.0, 0), Duration::from_secs(5));
+        let gone = m.expire(Duration::from_secs(7), Duration::from_secs(3));
+        assert_eq!(gone, vec![PeerKey(1)]);
+        assert_eq!(m.replicas(0), vec![PeerKey(2)]);
+    }
+
+    #[test]
+    fn joiners_fill_empty_then_slow_stages() {
+        let p = |peer, stage, throughput| Placement {
+            peer: PeerKey(peer),
+            stage,
+            throughput,
+        };
+        assert_eq!(choose_stage(&[], 3), 0);
+        assert_eq!(choose_stage(&[p(1, 0, 0.0)], 3), 1);
+        assert_eq!(
+            choose_stage(&[p(1, 0, 0.0), p(2, 1, 0.0), p(3, 2, 0.0)], 3),
+            0
+        );
+        assert_eq!(
+            choose_stage(&[p(1, 0, 10.0), p(2, 1, 4.0), p(3, 2, 8.0)], 3),
+            1
+        );
+    }
+
+    /// Applies planned moves until none is proposed: each move must raise the slowest stage
+    /// by more than the hysteresis, no assignment may repeat (no oscillation), and it stops.
+    #[test]
+    fn rebalancing_converges_without_oscillation() {
+        let flops = [1.0, 1.0, 2.0];
+        let mut rng = SeededRng::new(3);
+        for trial in 0..200 {
+            let n = 3 + (rng.next_u64() % 10) as usize;
+            // Per-peer speed in samples/s at a cost-1 stage.
+            let speed: Vec<f64> = (0..n).map(|_| 1.0 + rng.next_f64() * 9.0).collect();
+            let mut stage: Vec<u32> = (0..n).map(|i| (i % 3) as u32).collect();
+            let placements = |stage: &[u32]| -> Vec<Placement> {
+                (0..n)
+                    .map(|i| Placement {
+                        peer: PeerKey(i as u64),
+                        stage: stage[i],
+                        throughput: speed[i] / flops[stage[i] as usize],
+                    })
+                    .collect()
+            };
+            let mut seen = vec![stage.clone()];
+            while let Some(m) = plan_move(&placements(&stage), &flops, 0.1) {
+                assert!(m.after > m.before * 1.1, "trial {trial}: a move must help");
+                stage[m.peer.0 as usize] = m.to;
+                assert!(!seen.contains(&stage), "trial {trial}: assignment repeated");
+                seen.push(stage.clone());
+                assert!(seen.len() <= 3 * n, "trial {trial}: does not converge");
+            }
+            let totals = stage_totals(&placements(&stage), 3);
+            assert!(totals.iter().all(|t| t.1 > 0), "no stage is emptied");
+        }
+    }
+}

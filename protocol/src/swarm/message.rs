@@ -1,0 +1,265 @@
+//! What peers of a run say to each other. Announcements travel by gossip; everything else on
+//! the tensor streams, one [`Envelope`] per frame. Tensor payloads inside are encoded with the
+//! run's codecs and decoded against bounds the receiver derives from the run's configuration.
+
+use super::{PeerKey, RunConfig, RunId};
+use serde::{Deserialize, Serialize};
+
+/// A message with the run it belongs to; the receiver drops envelopes of other runs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// The run.
+    pub run: RunId,
+    /// The message.
+    pub msg: Message,
+}
+
+impl Envelope {
+    /// The wire encoding (postcard).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        postcard::to_allocvec(self).unwrap_or_default()
+    }
+
+    /// Decodes an envelope; every length inside is bounded by `bytes.len()`.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, postcard::Error> {
+        postcard::from_bytes(bytes)
+    }
+}
+
+/// What a peer is doing, as announced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MemberState {
+    /// Listening to gossip before choosing a stage.
+    Choosing,
+    /// Downloading its stage's state.
+    Syncing,
+    /// Serving its stage.
+    Serving,
+    /// Leaving the run.
+    Leaving,
+}
+
+/// A peer's periodic announcement (gossip).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Announcement {
+    /// The stage it serves or is syncing (none while choosing).
+    pub stage: Option<u32>,
+    /// What it is doing.
+    pub state: MemberState,
+    /// Measured samples per second on its stage (0 until measured).
+    pub throughput: f32,
+    /// Compute jobs waiting.
+    pub queue: u32,
+    /// Optimizer steps its stage replica has taken.
+    pub step: u64,
+    /// Averaging rounds completed (= steps in allreduce mode, outer rounds in DiLoCo).
+    pub round: u64,
+    /// Hash of its parameters right after round `round` completed.
+    pub params_hash: Option<u64>,
+    /// Whether it has taken the run's last step.
+    pub finished: bool,
+    /// Mean loss of its last step (last stage only).
+    pub loss: Option<f32>,
+}
+
+/// One microbatch's activations going forward.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Forward {
+    /// Unique id of this attempt of the microbatch.
+    pub id: u64,
+    /// Samples in it.
+    pub rows: u32,
+    /// The peers it passed, from the data driver on.
+    pub route: Vec<PeerKey>,
+    /// Next-token targets, carried to the last stage.
+    pub targets: Vec<u32>,
+    /// Encoded activations.
+    #[serde(with = "serde_bytes")]
+    pub activations: Vec<u8>,
+}
+
+/// The gradient of a stage's input going back along the recorded route.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Backward {
+    /// The attempt.
+    pub id: u64,
+    /// The whole route, driver first (the driver commits along it).
+    pub route: Vec<PeerKey>,
+    /// Encoded gradient.
+    #[serde(with = "serde_bytes")]
+    pub grad: Vec<u8>,
+}
+
+/// Identifies one averaging round of one stage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct RoundKey {
+    /// The stage.
+    pub stage: u32,
+    /// The round (the step in allreduce mode, the outer round in DiLoCo).
+    pub index: u64,
+}
+
+/// Messages of an averaging round.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum RoundMsg {
+    /// "I am ready for this round" to the leader.
+    Join,
+    /// From the leader: the group, in part order.
+    Start {
+        /// Members; member i owns part i.
+        group: Vec<PeerKey>,
+    },
+    /// A member's share of one part, to that part's owner.
+    Part {
+        /// Which part.
+        part: u32,
+        /// Samples behind the member's contribution.
+        samples: f64,
+        /// Encoded values (sum over the member's samples).
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    /// From a part's owner: the averaged part.
+    Averaged {
+        /// Which part.
+        part: u32,
+        /// Samples averaged over.
+        samples: f64,
+        /// Encoded averaged values.
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    /// "Send me averaged part `part` if you have it" (its owner vanished mid-send).
+    Request {
+        /// Which part.
+        part: u32,
+    },
+    /// Reply to a request: I do not have it.
+    Missing {
+        /// Which part.
+        part: u32,
+    },
+}
+
+/// Everything except announcements.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Message {
+    /// A joiner asks for the run's configuration.
+    Hello,
+    /// The run's configuration.
+    Config(RunConfig),
+    /// Gossip: what a peer is doing.
+    Announce(Announcement),
+    /// Activations forward.
+    Forward(Forward),
+    /// Gradients backward.
+    Backward(Backward),
+    /// The driver saw the whole backward pass: add this attempt's gradient to the step.
+    Commit {
+        /// The attempt.
+        id: u64,
+    },
+    /// The attempt will not be committed: forget it.
+    Abort {
+        /// The attempt.
+        id: u64,
+    },
+    /// A stage could not pass the attempt on (no replica of the next stage).
+    Reject {
+        /// The attempt.
+        id: u64,
+    },
+    /// Samples a replica has committed toward round `round`, to its stage's other replicas.
+    Progress {
+        /// The stage.
+        stage: u32,
+        /// The round the samples count toward.
+        round: u64,
+        /// Samples committed.
+        samples: f64,
+    },
+    /// Averaging.
+    Round {
+        /// Which round.
+        key: RoundKey,
+        /// What.
+        msg: RoundMsg,
+    },
+    /// A joiner asks for a stage's state.
+    StateRequest {
+        /// The stage.
+        stage: u32,
+    },
+    /// One chunk of a stage's state.
+    StateChunk(StateChunk),
+}
+
+/// One piece of a stage's state in transfer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StateChunk {
+    /// The stage.
+    pub stage: u32,
+    /// Steps the state has taken.
+    pub step: u64,
+    /// Rounds it has completed.
+    pub round: u64,
+    /// Byte offset of this chunk.
+    pub offset: u64,
+    /// Total bytes of the state.
+    pub total: u64,
+    /// xxh3-64 of the whole state.
+    pub hash: u64,
+    /// The bytes.
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+}
+
+impl Message {
+    /// Which kind of traffic a message is, for byte accounting.
+    pub fn traffic(&self) -> Traffic {
+        match self {
+            Message::Forward(_) => Traffic::Activations,
+            Message::Backward(_) => Traffic::ActivationGrads,
+            Message::Round { .. } => Traffic::Averaging,
+            Message::StateChunk(_) | Message::StateRequest { .. } => Traffic::State,
+            _ => Traffic::Control,
+        }
+    }
+}
+
+/// Kinds of traffic counted separately in reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Traffic {
+    /// Activations forward.
+    Activations,
+    /// Activation gradients backward.
+    ActivationGrads,
+    /// Gradient / pseudo-gradient averaging.
+    Averaging,
+    /// State transfers to joiners.
+    State,
+    /// Everything else (commits, progress, configuration).
+    Control,
+}
+
+impl Traffic {
+    /// All kinds, in report order.
+    pub const ALL: [Traffic; 5] = [
+        Traffic::Activations,
+        Traffic::ActivationGrads,
+        Traffic::Averaging,
+        Traffic::State,
+        Traffic::Control,
+    ];
+
+    /// The name used in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Traffic::Activations => "activations",
+            Traffic::ActivationGrads => "activation_grads",
+            Traffic::Averaging => "averaging",
+            Traffic::State => "state",
+            Traffic::Control => "control",
+        }
+    }
+}

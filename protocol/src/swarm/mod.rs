@@ -1,0 +1,103 @@
+//! The training protocol: how peers that nobody coordinates train one model together.
+//!
+//! Every peer runs one [`Peer`] machine for the stage it serves. The owner (the node with real
+//! sockets and a compute thread, or the simulator with modelled links and devices) feeds it
+//! what happened — a message from a peer, a finished compute job, the passing of time — and
+//! drains the [`Action`]s it wants performed: send this message, run this compute job,
+//! announce this. The machine never blocks, reads no clock and draws randomness only from the
+//! seed it was given, so the same inputs always give the same decisions.
+//!
+//! The parts, each testable on its own:
+//! * [`config`]: the run's configuration, chosen by its creator; its hash is the run id.
+//! * [`membership`]: who serves which stage how fast, learned from gossip; routing weights,
+//!   the stage a joiner takes, and rebalancing moves.
+//! * [`ledger`]: the data driver's record of every microbatch in flight: deadlines, retries,
+//!   at-most-once commit.
+//! * [`averaging`]: one fault-tolerant, compressed reduce-scatter/all-gather round among the
+//!   replicas of a stage.
+//! * [`transfer`]: a stage's state sent to a joiner in hash-checked chunks.
+//! * [`peer`]: the composition, driven by the owner.
+
+pub mod averaging;
+pub mod config;
+pub mod ledger;
+pub mod membership;
+pub mod message;
+pub mod peer;
+pub mod transfer;
+
+#[cfg(test)]
+mod tests;
+
+pub use config::{DataSource, RunConfig, RunId, StageCosts, SyncMode, Timing};
+pub use message::{Announcement, Envelope, MemberState, Message};
+pub use peer::{Action, ComputeDone, Event, Input, Job, Output, Peer, PeerStats, Resume};
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A peer's identity inside the protocol: a 64-bit digest of its network identity (the node
+/// maps it back to a libp2p `PeerId`, the simulator uses small integers). 64 bits keep routes
+/// and ledgers compact; finding a collision with a given peer takes ~2^64 work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct PeerKey(pub u64);
+
+impl PeerKey {
+    /// The key of a network identity given as bytes (e.g. a libp2p `PeerId`).
+    pub fn from_bytes(bytes: &[u8]) -> Self {
+        PeerKey(xxhash_rust::xxh3::xxh3_64(bytes))
+    }
+}
+
+impl fmt::Display for PeerKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// The small seeded generator the machines draw from (SplitMix64: every decision that looks
+/// random is a function of the seed and the events so far).
+#[derive(Clone, Debug)]
+pub struct SeededRng(u64);
+
+impl SeededRng {
+    /// A generator whose stream is fixed by `seed`.
+    pub fn new(seed: u64) -> Self {
+        SeededRng(seed)
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// An index drawn with probability proportional to `weights` (None if all are zero).
+    pub fn weighted(&mut self, weights: &[f64]) -> Option<usize> {
+        let total: f64 = weights.iter().filter(|w| w.is_finite() && **w > 0.0).sum();
+        if total <= 0.0 {
+            return None;
+        }
+        let mut x = self.next_f64() * total;
+        let mut last = None;
+        for (i, &w) in weights.iter().enumerate() {
+            if !(w.is_finite() && w > 0.0) {
+                continue;
+            }
+            last = Some(i);
+            if x < w {
+                return Some(i);
+            }
+            x -= w;
+        }
+        last
+    }
+}
