@@ -52,6 +52,25 @@ impl StageSpec {
         (self.index * l / self.count)..((self.index + 1) * l / self.count)
     }
 
+    /// Parameters this stage holds (a tied embedding copy counted), without building it.
+    pub fn param_count(&self, config: &ModelConfig) -> usize {
+        layout(config, *self).iter().map(|i| i.len).sum()
+    }
+
+    /// Training FLOPs (forward + backward) per sample of `seq` tokens on this stage: 6 per
+    /// matrix weight it holds (the head included on the last stage) plus its blocks'
+    /// attention products, as in [`ModelConfig::train_flops_per_token`].
+    pub fn train_flops_per_sample(&self, config: &ModelConfig, seq: usize) -> f64 {
+        let c = config.width;
+        let blocks = self.blocks(config).len();
+        let mut weights = blocks * 12 * c * c;
+        if self.is_last() {
+            weights += config.vocab * c;
+        }
+        let attention = blocks * 4 * seq * c;
+        3.0 * (2.0 * weights as f64 + attention as f64) * seq as f64
+    }
+
     /// Checks that the cut is possible: every stage between the first and the last must own
     /// at least one block (the first and last always own the embeddings or the head).
     pub fn validate(&self, config: &ModelConfig) -> Result<(), StageError> {

@@ -16,6 +16,8 @@ pub struct Cli {
 pub enum Command {
     /// Train a model in this process, all stages local.
     Train(TrainArgs),
+    /// Start a training run, or join one, as one peer serving one pipeline stage.
+    Run(Box<RunArgs>),
     /// Join the network and serve it (bootstrap, relay, discovery) without training.
     Node(NodeArgs),
     /// Measure performance.
@@ -52,6 +54,84 @@ pub struct NodeArgs {
     /// Read commands from stdin and print events to stdout, one JSON object per line.
     #[arg(long)]
     pub control: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Model size: nano, micro, mini or gpt2 (creator only; joiners learn the run's).
+    #[arg(long, default_value = "nano")]
+    pub preset: Preset,
+    /// Pipeline stages the model is cut into.
+    #[arg(long, default_value = "1", value_parser = positive)]
+    pub stages: usize,
+    /// How replicas of a stage stay together: allreduce (every step) or diloco.
+    #[arg(long, default_value = "allreduce")]
+    pub sync: shoal_protocol::swarm::SyncMode,
+    /// DiLoCo: inner steps per outer round.
+    #[arg(long, default_value = "8", value_parser = positive)]
+    pub diloco_h: usize,
+    /// Samples per optimizer step, over all replicas of a stage.
+    #[arg(long, default_value = "16", value_parser = positive)]
+    pub global_batch: usize,
+    /// Samples per microbatch.
+    #[arg(long, default_value = "4", value_parser = positive)]
+    pub microbatch: usize,
+    /// Tokens per sample (default: the model's context).
+    #[arg(long, value_parser = positive)]
+    pub seq: Option<usize>,
+    /// Optimizer steps of the run.
+    #[arg(long, default_value = "300", value_parser = positive)]
+    pub max_steps: usize,
+    /// Peak learning rate; default per preset.
+    #[arg(long, value_parser = positive_f32)]
+    pub lr: Option<f32>,
+    /// Seed of initialisation and data.
+    #[arg(long, default_value = "1")]
+    pub seed: u64,
+    /// A UTF-8 text file to train on; every data driver needs the same file (default: the
+    /// built-in synthetic corpus).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Codec of activations (fp32, fp16, bf16, int8, int8:BLOCK, topk:P%[:int8]).
+    #[arg(long, default_value = "int8")]
+    pub activation_codec: shoal_protocol::Codec,
+    /// Codec of activation gradients.
+    #[arg(long, default_value = "int8")]
+    pub gradient_codec: shoal_protocol::Codec,
+    /// Codec of gradient / pseudo-gradient averaging between replicas.
+    #[arg(long, default_value = "int8")]
+    pub averaging_codec: shoal_protocol::Codec,
+    /// The run to join (printed by the peer that created it); requires --bootstrap.
+    #[arg(long, requires = "bootstrap")]
+    pub run: Option<shoal_protocol::swarm::RunId>,
+    /// Write this peer's stage state here every --checkpoint-every steps and on exit; a peer
+    /// restarted with the same identity and directory resumes from it.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints.
+    #[arg(long, default_value = "50", value_parser = positive)]
+    pub checkpoint_every: usize,
+    /// Write a JSON report here on exit.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Worker threads for compute (0: one per core).
+    #[arg(long, default_value = "0")]
+    pub threads: usize,
+    /// The key file of this peer's identity (created on first run, owner-only).
+    #[arg(long)]
+    pub identity: Option<PathBuf>,
+    /// Address to listen on (repeatable; default: QUIC on all interfaces, any port).
+    #[arg(long)]
+    pub listen: Vec<libp2p::Multiaddr>,
+    /// A peer of the run to join through (repeatable).
+    #[arg(long)]
+    pub bootstrap: Vec<libp2p::Multiaddr>,
+    /// Do not look for peers on the LAN with multicast DNS.
+    #[arg(long)]
+    pub no_mdns: bool,
+    /// Send tensors only over libp2p streams (no direct QUIC endpoint).
+    #[arg(long)]
+    pub no_direct: bool,
 }
 
 #[derive(Debug, Subcommand)]

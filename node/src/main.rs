@@ -9,6 +9,7 @@ mod bench_net;
 mod cli;
 mod node;
 mod report;
+mod run;
 mod train;
 
 use clap::Parser;
@@ -42,6 +43,7 @@ fn main() -> ExitCode {
         .init();
     let result = match args.command {
         cli::Command::Train(a) => train::run(a),
+        cli::Command::Run(a) => run::run(*a),
         cli::Command::Node(a) => node::run(a),
         cli::Command::Bench(cli::BenchCommand::Compute(a)) => bench::compute(a),
         cli::Command::Bench(cli::BenchCommand::Codec(a)) => bench::codec(a),

@@ -151,6 +151,11 @@ impl Round {
         let mut r = Round::new(key, me, len, codec, timing, now);
         r.expected = others.iter().copied().filter(|k| *k != me).collect();
         r.joined.insert(me);
+        // Invite the replicas it knows: one that has not noticed the stage is ready (its
+        // view of the others' progress lags) joins now instead of missing the round.
+        for &k in &r.expected {
+            r.out.push_back(RoundOut::Send(k, RoundMsg::Join));
+        }
         r.phase = Phase::Gathering;
         r.deadline = Some(now + timing.join_window);
         r.maybe_start(now, false);

@@ -17,6 +17,8 @@ pub struct Entry {
     pub sample: u64,
     /// Samples in it.
     pub rows: u32,
+    /// The round it was started for.
+    pub round: u64,
     /// Attempts so far.
     pub attempts: u32,
     /// Attempts that are out (may still answer), with the first hop each took.
@@ -81,6 +83,7 @@ impl Ledger {
         microbatch: u64,
         sample: u64,
         rows: u32,
+        round: u64,
         attempt: u64,
         started: Duration,
         deadline: Duration,
@@ -92,6 +95,7 @@ impl Ledger {
                 microbatch,
                 sample,
                 rows,
+                round,
                 attempts: 1,
                 live: vec![(attempt, None)],
                 started,
@@ -286,7 +290,7 @@ mod tests {
     fn a_lost_reply_is_retried_and_applied_once() {
         let mut l = Ledger::default();
         let mut ids = 100..;
-        l.start(0, 7, 4, 1, Duration::ZERO, S);
+        l.start(0, 7, 4, 0, 1, Duration::ZERO, S);
         l.sent(1, PeerKey(9));
         // The reply of attempt 1 is lost: the deadline passes, a retry avoids peer 9.
         let ex = l.expire(S, 3, S, || ids.next().unwrap_or(0));
@@ -316,7 +320,7 @@ mod tests {
     #[test]
     fn a_late_first_answer_still_wins() {
         let mut l = Ledger::default();
-        l.start(0, 7, 4, 1, Duration::ZERO, S);
+        l.start(0, 7, 4, 0, 1, Duration::ZERO, S);
         let mut next = 2;
         l.expire(S, 3, S, || {
             next += 1;
@@ -330,7 +334,7 @@ mod tests {
     #[test]
     fn gives_up_after_max_attempts() {
         let mut l = Ledger::default();
-        l.start(0, 7, 4, 1, Duration::ZERO, S);
+        l.start(0, 7, 4, 0, 1, Duration::ZERO, S);
         let mut next = 1;
         let mut fresh = || {
             next += 1;
@@ -350,7 +354,7 @@ mod tests {
     #[test]
     fn a_failed_hop_times_out_at_once() {
         let mut l = Ledger::default();
-        l.start(0, 7, 4, 1, Duration::ZERO, 10 * S);
+        l.start(0, 7, 4, 0, 1, Duration::ZERO, 10 * S);
         l.sent(1, PeerKey(5));
         l.fail_hop(PeerKey(5), S);
         assert_eq!(l.next_deadline(), Some(S));

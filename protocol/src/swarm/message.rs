@@ -67,6 +67,13 @@ pub struct Announcement {
 pub struct Forward {
     /// Unique id of this attempt of the microbatch.
     pub id: u64,
+    /// The microbatch's first sample (the same for every attempt): what at-most-once
+    /// application is about, and what reports list.
+    pub sample: u64,
+    /// The round (optimizer step) the driver started it for: a stage adds it to that round
+    /// or, if it is still collecting an earlier one, holds it until then, so that every
+    /// stage averages the same microbatches in the same step.
+    pub round: u64,
     /// Samples in it.
     pub rows: u32,
     /// The peers it passed, from the data driver on.
@@ -177,6 +184,8 @@ pub enum Message {
         round: u64,
         /// Samples committed.
         samples: f64,
+        /// Samples in flight from this replica (data drivers), counted toward the same round.
+        in_flight: f64,
     },
     /// Averaging.
     Round {
@@ -184,6 +193,26 @@ pub enum Message {
         key: RoundKey,
         /// What.
         msg: RoundMsg,
+    },
+    /// A replica one or a few rounds behind asks for the result of round `round`.
+    CatchUpRequest {
+        /// The stage.
+        stage: u32,
+        /// The round it missed.
+        round: u64,
+    },
+    /// The averaged vector a stage applied in round `round` (fp32, so the replica that
+    /// applies it lands on bit-identical parameters), or nothing if it is no longer kept.
+    CatchUp {
+        /// The stage.
+        stage: u32,
+        /// The round.
+        round: u64,
+        /// Samples behind it.
+        samples: f64,
+        /// The encoded vector; empty when not available.
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
     },
     /// A joiner asks for a stage's state.
     StateRequest {
@@ -220,7 +249,7 @@ impl Message {
         match self {
             Message::Forward(_) => Traffic::Activations,
             Message::Backward(_) => Traffic::ActivationGrads,
-            Message::Round { .. } => Traffic::Averaging,
+            Message::Round { .. } | Message::CatchUp { .. } => Traffic::Averaging,
             Message::StateChunk(_) | Message::StateRequest { .. } => Traffic::State,
             _ => Traffic::Control,
         }

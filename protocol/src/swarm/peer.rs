@@ -198,6 +198,8 @@ pub enum Event {
         loss: Option<f32>,
         /// Replicas that averaged (1 for local steps).
         group: usize,
+        /// Samples behind the step (this replica's part of the average in a round).
+        samples: f64,
         /// The parameter hash after it.
         hash: u64,
     },
@@ -230,6 +232,12 @@ pub enum Event {
         from: u32,
         /// To.
         to: u32,
+    },
+    /// A microbatch's gradient was added to this stage's step (at most once per sample
+    /// over all replicas of the stage).
+    Committed {
+        /// Its first sample.
+        sample: u64,
     },
     /// A microbatch was given up.
     Dropped {
@@ -308,6 +316,8 @@ enum Role {
 /// A microbatch attempt this peer computes for someone else.
 #[derive(Clone, Debug)]
 struct Hop {
+    sample: u64,
+    round: u64,
     route: Vec<PeerKey>,
     rows: u32,
     targets: Vec<u32>,
@@ -345,19 +355,26 @@ pub struct Peer {
     next_attempt: u64,
     routes: HashMap<u64, Vec<PeerKey>>,
     hops: HashMap<u64, Hop>,
-    committing: HashMap<u64, (u32, Option<f32>)>,
+    committing: HashMap<u64, (u64, u32, Option<f32>)>,
     step: u64,
     round: u64,
     params_hash: Option<u64>,
     accum_samples: f64,
     losses: (f64, u32),
     last_loss: Option<f32>,
-    progress: BTreeMap<PeerKey, (u64, f64)>,
+    progress: BTreeMap<PeerKey, (u64, f64, f64)>,
     local_step_queued: bool,
     step_pending_round: bool,
     round_group: usize,
+    round_samples: f64,
+    last_local_samples: f64,
+    history: VecDeque<(u64, Vec<f32>, f64)>,
+    catching_up: Option<(PeerKey, u64, Duration)>,
+    last_advance: Duration,
     early_joins: Vec<(RoundKey, PeerKey)>,
     rtt: f64,
+    commit_queued: f64,
+    held_commits: Vec<(u64, u64)>,
     inner_steps: u32,
     samples_since_outer: f64,
     averaging: Option<Round>,
@@ -422,8 +439,15 @@ impl Peer {
             local_step_queued: false,
             step_pending_round: false,
             round_group: 1,
+            round_samples: 0.0,
+            last_local_samples: 0.0,
+            history: VecDeque::new(),
+            catching_up: None,
+            last_advance: now,
             early_joins: Vec::new(),
             rtt: 0.0,
+            commit_queued: 0.0,
+            held_commits: Vec::new(),
             inner_steps: 0,
             samples_since_outer: 0.0,
             averaging: None,
@@ -575,6 +599,10 @@ impl Peer {
         t.extend(self.ledger.next_deadline());
         t.extend(self.averaging.as_ref().and_then(|r| r.deadline()));
         t.extend(self.move_at);
+        t.extend(self.catching_up.map(|c| c.2));
+        if self.is_driver() && self.ledger.in_flight() == 0 {
+            t.push(self.last_advance + self.timing.round_timeout);
+        }
         t.extend(self.hops.values().map(|h| h.expires).min());
         t.into_iter().min()
     }
@@ -590,6 +618,9 @@ impl Peer {
     }
 
     fn enqueue(&mut self, job: Job) {
+        if let Job::Commit { id } = &job {
+            self.commit_queued += self.committing.get(id).map_or(0.0, |c| c.1 as f64);
+        }
         let p = job.priority();
         self.queue[p].push_back(job);
     }
@@ -651,12 +682,13 @@ impl Peer {
         self.stage == Some(0) && self.role == Role::Serving
     }
 
+    /// Whether this replica's stage took the run's last step. In DiLoCo that is the last
+    /// outer round (replicas count their inner steps independently; rounds they share).
     fn stage_finished(&self) -> bool {
-        let inner_done = match self.config.sync {
-            SyncMode::AllReduce => true,
-            SyncMode::DiLoCo { .. } => self.inner_steps == 0,
-        };
-        self.step >= self.config.max_steps && inner_done
+        match self.config.sync {
+            SyncMode::AllReduce => self.round >= self.config.max_steps,
+            SyncMode::DiLoCo { h, .. } => self.round >= self.config.max_steps.div_ceil(h as u64),
+        }
     }
 
     fn activation_len(&self, rows: u32) -> usize {
@@ -686,8 +718,15 @@ impl Peer {
             Message::Commit { id } => {
                 if let Some(h) = self.hops.remove(&id) {
                     if h.backward_done {
-                        self.committing.insert(id, (h.rows, h.loss));
-                        self.enqueue(Job::Commit { id });
+                        self.committing.insert(id, (h.sample, h.rows, h.loss));
+                        if self.config.sync == SyncMode::AllReduce
+                            && h.round > self.collecting_round()
+                        {
+                            // Started for a later step than this stage collects now.
+                            self.held_commits.push((h.round, id));
+                        } else {
+                            self.enqueue(Job::Commit { id });
+                        }
                     } else {
                         self.enqueue(Job::Abort { id });
                     }
@@ -703,9 +742,12 @@ impl Peer {
                 stage,
                 round,
                 samples,
+                in_flight,
             } => {
-                if Some(stage) == self.stage && samples.is_finite() && samples >= 0.0 {
-                    self.progress.insert(from, (round, samples));
+                let valid = |x: f64| x.is_finite() && x >= 0.0;
+                if Some(stage) == self.stage && valid(samples) && valid(in_flight) {
+                    self.progress.insert(from, (round, samples, in_flight));
+                    self.maybe_begin_round(now);
                 }
             }
             Message::Round { key, msg } => self.on_round(from, key, msg, now),
@@ -723,6 +765,32 @@ impl Peer {
                 }
             }
             Message::StateChunk(c) => self.on_chunk(from, c, now),
+            Message::CatchUpRequest { stage, round } => {
+                if Some(stage) == self.stage && self.role == Role::Serving {
+                    let (samples, data) = match self.history.iter().find(|h| h.0 == round) {
+                        Some((_, values, samples)) => {
+                            let values = values.clone();
+                            (*samples, self.encode(crate::Codec::Fp32, &values))
+                        }
+                        None => (0.0, Vec::new()),
+                    };
+                    self.send(
+                        from,
+                        Message::CatchUp {
+                            stage,
+                            round,
+                            samples,
+                            data,
+                        },
+                    );
+                }
+            }
+            Message::CatchUp {
+                stage,
+                round,
+                samples,
+                data,
+            } => self.on_catch_up(from, stage, round, samples, data, now),
         }
         self.after(now);
     }
@@ -825,6 +893,12 @@ impl Peer {
         if let Some(r) = self.averaging.as_mut() {
             r.handle_timeout(now);
         }
+        if let Some((from, _, deadline)) = self.catching_up {
+            if now >= deadline {
+                self.catching_up = None;
+                self.resync(from, "no answer to a catch-up request", now);
+            }
+        }
         if now >= self.next_rebalance {
             self.next_rebalance = now + self.timing.rebalance_every;
             self.consider_move(now, false);
@@ -866,8 +940,9 @@ impl Peer {
             }
             ComputeDone::Done => {
                 if let Tag::Commit(id) = tag {
-                    if let Some((rows, loss)) = self.committing.remove(&id) {
-                        self.on_committed(rows, loss, now);
+                    if let Some((sample, rows, loss)) = self.committing.remove(&id) {
+                        self.commit_queued = (self.commit_queued - rows as f64).max(0.0);
+                        self.on_committed(sample, rows, loss, now);
                     }
                 }
             }
@@ -887,7 +962,9 @@ impl Peer {
                         self.enqueue(Job::Abort { id });
                     }
                     Tag::Commit(id) => {
-                        self.committing.remove(&id);
+                        if let Some((_, rows, _)) = self.committing.remove(&id) {
+                            self.commit_queued = (self.commit_queued - rows as f64).max(0.0);
+                        }
                     }
                     Tag::Other => {}
                 }
@@ -902,6 +979,10 @@ impl Peer {
         if a.stage.is_some_and(|s| s >= self.config.stages) {
             return;
         }
+        let known = self.members.get(from).map(|m| m.announcement.round);
+        if known.is_none_or(|r| a.round > r) {
+            self.last_advance = now;
+        }
         self.members.update(from, a.clone(), now);
         if a.state != MemberState::Serving {
             return;
@@ -910,7 +991,7 @@ impl Peer {
             return;
         }
         if a.round > self.round && !self.finished {
-            self.resync(from, "a replica of this stage is ahead", now);
+            self.catch_up(from, now);
             return;
         }
         if a.round == self.round {
@@ -922,6 +1003,84 @@ impl Peer {
                         now,
                     );
                 }
+            }
+        }
+    }
+
+    /// Behind a replica of this stage: replay the round it missed from that replica's
+    /// record (cheap, and lands on the same parameters); a full state transfer if the
+    /// replica no longer has it.
+    fn catch_up(&mut self, from: PeerKey, now: Duration) {
+        if self.catching_up.is_some() || self.averaging.is_some() || self.step_pending_round {
+            return;
+        }
+        let Some(stage) = self.stage else { return };
+        self.catching_up = Some((from, self.round, now + self.timing.round_timeout));
+        self.send(
+            from,
+            Message::CatchUpRequest {
+                stage,
+                round: self.round,
+            },
+        );
+    }
+
+    fn on_catch_up(
+        &mut self,
+        from: PeerKey,
+        stage: u32,
+        round: u64,
+        samples: f64,
+        data: Vec<u8>,
+        now: Duration,
+    ) {
+        if self.catching_up.map(|c| (c.0, c.1)) != Some((from, round))
+            || Some(stage) != self.stage
+            || round != self.round
+        {
+            return;
+        }
+        self.catching_up = None;
+        let len = self.costs.params.get(stage as usize).copied().unwrap_or(0);
+        let mut values = Vec::new();
+        let ok = !data.is_empty()
+            && Decoder::with_max_elements(len)
+                .decode(&data, &mut values)
+                .is_ok()
+            && values.len() == len
+            && samples.is_finite();
+        if !ok || self.averaging.is_some() {
+            self.resync(from, "a replica of this stage is ahead", now);
+            return;
+        }
+        self.step_pending_round = true;
+        self.round_group = 0;
+        self.round_samples = samples;
+        self.remember(round, &values, samples);
+        let job = match self.config.sync {
+            SyncMode::AllReduce => Job::Step { grad: values },
+            SyncMode::DiLoCo {
+                outer_lr,
+                outer_momentum,
+                ..
+            } => Job::OuterStep {
+                avg: values,
+                lr: outer_lr,
+                momentum: outer_momentum,
+            },
+        };
+        self.enqueue(job);
+    }
+
+    /// Keeps the results of recent rounds for replicas that fall behind (as many as fit in
+    /// 64 MiB, at least the last).
+    fn remember(&mut self, round: u64, values: &[f32], samples: f64) {
+        const BUDGET: usize = 64 << 20;
+        self.history.push_back((round, values.to_vec(), samples));
+        let mut bytes: usize = self.history.iter().map(|h| h.1.len() * 4).sum();
+        while self.history.len() > 1 && bytes > BUDGET {
+            if let Some(old) = self.history.pop_front() {
+                bytes -= old.1.len() * 4;
             }
         }
     }
@@ -1083,6 +1242,10 @@ impl Peer {
             });
         }
         self.committing.clear();
+        self.commit_queued = 0.0;
+        self.held_commits.clear();
+        self.catching_up = None;
+        self.step_pending_round = false;
         if let Some(r) = self.averaging.take() {
             self.event(Event::RoundFailed {
                 round: r.key().index,
@@ -1149,7 +1312,9 @@ impl Peer {
         };
         self.role = Role::Serving;
         self.stage = Some(stage);
-        self.params_hash = Some(hash);
+        // In DiLoCo transferred parameters are mid-round (the source's local ones); only
+        // hashes taken right after a round are comparable between replicas.
+        self.params_hash = (self.config.sync == SyncMode::AllReduce).then_some(hash);
         self.inner_steps = 0;
         self.samples_since_outer = 0.0;
         self.finished = self.stage_finished();
@@ -1219,7 +1384,44 @@ impl Peer {
             return;
         }
         let limit = (self.timing.in_flight_per_stage * self.config.stages).max(1) as usize;
+        // Flow control: start no more than the step being collected needs (all drivers
+        // together in allreduce mode, this driver's share of it in DiLoCo), so that a step
+        // averages the global batch, not whatever arrived while the last round ran. Once
+        // this stage took its last step, only the in-flight cap applies: later stages may
+        // still need samples.
+        let quota = match self.config.sync {
+            SyncMode::AllReduce => self.config.global_batch as f64,
+            SyncMode::DiLoCo { .. } => {
+                let replicas = self.members.replicas(0).len() + 1;
+                (self.config.global_batch as f64 / replicas as f64).max(1.0)
+            }
+        };
+        let mut started = false;
+        let laggards = self.config.sync == SyncMode::AllReduce
+            && self.members.iter().any(|(_, m)| {
+                m.announcement.state == MemberState::Serving
+                    && m.announcement.round + 1 < self.round
+            });
         while self.ledger.in_flight() < limit {
+            if self.finished || laggards {
+                // Ahead of a stage (or done): the others have the microbatches they need
+                // (every stage sees every committed microbatch), so wait for them. Only if
+                // nobody advanced for a round's timeout does one microbatch go out at a
+                // time, in case a stage still misses samples (one was dropped there).
+                let stalled = now.saturating_sub(self.last_advance) > self.timing.round_timeout;
+                if !stalled || self.ledger.in_flight() > 0 {
+                    break;
+                }
+            } else {
+                let claimed = match self.config.sync {
+                    SyncMode::AllReduce => self.claimed_samples(),
+                    SyncMode::DiLoCo { .. } => self.accum_samples + self.in_flight_samples(),
+                };
+                if claimed >= quota || self.local_step_queued {
+                    break;
+                }
+            }
+            started = true;
             let microbatch = self.next_microbatch;
             self.next_microbatch += 1;
             self.next_attempt += 1;
@@ -1227,14 +1429,22 @@ impl Peer {
             let sample = attempt_id(PeerKey(self.me.0 ^ 0x5A5A_5A5A), microbatch);
             let rows = self.config.microbatch;
             let deadline = now + self.microbatch_deadline();
+            let round = if self.finished {
+                0
+            } else {
+                self.collecting_round()
+            };
             self.ledger
-                .start(microbatch, sample, rows, id, now, deadline);
+                .start(microbatch, sample, rows, round, id, now, deadline);
             self.enqueue(Job::Forward {
                 id,
                 rows,
                 input: Input::Sample { index: sample },
                 targets: None,
             });
+        }
+        if started && self.config.sync == SyncMode::AllReduce {
+            self.send_progress();
         }
     }
 
@@ -1273,6 +1483,8 @@ impl Peer {
         self.hops.insert(
             f.id,
             Hop {
+                sample: f.sample,
+                round: f.round,
                 route: f.route,
                 rows: f.rows,
                 targets: hop_targets,
@@ -1322,6 +1534,7 @@ impl Peer {
     ) {
         let stage = self.stage.unwrap_or(0);
         let own = self.ledger.entry_of(id).map(|e| e.rows);
+        let own_sample = self.ledger.entry_of(id).map(|e| e.sample);
         match output {
             Output::Loss(loss) => {
                 let rows = own
@@ -1329,8 +1542,8 @@ impl Peer {
                     .unwrap_or(0);
                 if let Some(h) = self.hops.get_mut(&id) {
                     h.loss = Some(loss);
-                } else if own.is_some() {
-                    self.committing.insert(id, (rows, Some(loss)));
+                } else if let Some(sample) = own_sample {
+                    self.committing.insert(id, (sample, rows, Some(loss)));
                     self.routes.insert(id, vec![self.me]);
                     let _ = self.ledger.arrive(id);
                 }
@@ -1342,17 +1555,31 @@ impl Peer {
             }
             Output::Activations(acts) => {
                 let next_stage = stage + 1;
-                let (route, rows, targets) = if let Some(rows) = own {
-                    (vec![self.me], rows, targets.unwrap_or_default())
-                } else if let Some(h) = self.hops.get(&id) {
-                    let mut r = h.route.clone();
-                    r.push(self.me);
-                    (r, h.rows, targets.unwrap_or_else(|| h.targets.clone()))
-                } else {
-                    // Aborted meanwhile.
-                    self.enqueue(Job::Abort { id });
-                    return;
-                };
+                let (route, rows, targets, sample, round) =
+                    if let (Some(rows), Some(sample)) = (own, own_sample) {
+                        let round = self.ledger.entry_of(id).map_or(0, |e| e.round);
+                        (
+                            vec![self.me],
+                            rows,
+                            targets.unwrap_or_default(),
+                            sample,
+                            round,
+                        )
+                    } else if let Some(h) = self.hops.get(&id) {
+                        let mut r = h.route.clone();
+                        r.push(self.me);
+                        (
+                            r,
+                            h.rows,
+                            targets.unwrap_or_else(|| h.targets.clone()),
+                            h.sample,
+                            h.round,
+                        )
+                    } else {
+                        // Aborted meanwhile.
+                        self.enqueue(Job::Abort { id });
+                        return;
+                    };
                 let avoid = self
                     .ledger
                     .entry_of(id)
@@ -1379,6 +1606,8 @@ impl Peer {
                     next,
                     Message::Forward(Forward {
                         id,
+                        sample,
+                        round,
                         rows,
                         route,
                         targets,
@@ -1417,7 +1646,8 @@ impl Peer {
                         self.enqueue(Job::Abort { id: a });
                     }
                     self.routes.insert(b.id, b.route);
-                    self.committing.insert(b.id, (rows, None));
+                    let sample = self.ledger.entry_of(b.id).map_or(0, |e| e.sample);
+                    self.committing.insert(b.id, (sample, rows, None));
                     self.enqueue(Job::Backward {
                         id: b.id,
                         grad: Some(grad),
@@ -1468,8 +1698,8 @@ impl Peer {
             for hop in route.iter().skip(1) {
                 self.send(*hop, Message::Commit { id });
             }
-            let loss = self.committing.get(&id).and_then(|c| c.1);
-            self.committing.insert(id, (entry.rows, loss));
+            let loss = self.committing.get(&id).and_then(|c| c.2);
+            self.committing.insert(id, (entry.sample, entry.rows, loss));
             self.enqueue(Job::Commit { id });
             return;
         }
@@ -1492,28 +1722,63 @@ impl Peer {
         self.send(prev, Message::Backward(Backward { id, route, grad }));
     }
 
-    fn on_committed(&mut self, rows: u32, loss: Option<f32>, now: Duration) {
+    fn on_committed(&mut self, sample: u64, rows: u32, loss: Option<f32>, now: Duration) {
         self.stats.microbatches_done += 1;
+        self.event(Event::Committed { sample });
         self.accum_samples += rows as f64;
         self.rows_done += rows as f64;
         if let Some(l) = loss {
             self.losses.0 += l as f64;
             self.losses.1 += 1;
         }
-        if let Some(stage) = self.stage {
-            let index = self.collecting_round();
-            for k in self.members.replicas(stage) {
-                self.send(
-                    k,
-                    Message::Progress {
-                        stage,
-                        round: index,
-                        samples: self.accum_samples,
-                    },
-                );
-            }
-        }
+        self.send_progress();
         self.maybe_begin_round(now);
+    }
+
+    /// Commits held for a later round that this stage now collects.
+    fn release_held_commits(&mut self) {
+        let round = self.collecting_round();
+        let (due, keep): (Vec<_>, Vec<_>) =
+            self.held_commits.drain(..).partition(|(r, _)| *r <= round);
+        self.held_commits = keep;
+        for (_, id) in due {
+            self.enqueue(Job::Commit { id });
+        }
+    }
+
+    /// Samples started by this driver and not yet in its accumulator (in flight, or
+    /// committed with the commit job still queued).
+    fn in_flight_samples(&self) -> f64 {
+        self.ledger.in_flight() as f64 * self.config.microbatch as f64 + self.commit_queued
+    }
+
+    /// Tells the stage's other replicas how far this one is toward the next round.
+    fn send_progress(&mut self) {
+        let Some(stage) = self.stage else { return };
+        let msg = Message::Progress {
+            stage,
+            round: self.collecting_round(),
+            samples: self.accum_samples,
+            in_flight: self.in_flight_samples(),
+        };
+        for k in self.members.replicas(stage) {
+            self.send(k, msg.clone());
+        }
+    }
+
+    /// Samples committed or in flight toward the round being collected, over the stage's
+    /// replicas as known from their progress messages.
+    fn claimed_samples(&self) -> f64 {
+        let round = self.collecting_round();
+        let others: f64 = self
+            .members
+            .replicas(self.stage.unwrap_or(0))
+            .iter()
+            .filter_map(|k| self.progress.get(k))
+            .filter(|p| p.0 == round)
+            .map(|p| p.1 + p.2)
+            .sum();
+        self.accum_samples + self.in_flight_samples() + others
     }
 
     // ----- steps and rounds -----
@@ -1527,19 +1792,51 @@ impl Peer {
         }
     }
 
+    fn follow_round(&mut self, key: RoundKey, leader: PeerKey, now: Duration) {
+        let len = self
+            .costs
+            .params
+            .get(key.stage as usize)
+            .copied()
+            .unwrap_or(0);
+        self.averaging = Some(Round::follow(
+            key,
+            self.me,
+            leader,
+            len,
+            self.config.codecs.averaging,
+            self.timing,
+            now,
+        ));
+    }
+
     fn maybe_begin_round(&mut self, now: Duration) {
         if self.role != Role::Serving || self.averaging.is_some() || self.finished {
             return;
         }
         let Some(stage) = self.stage else { return };
+        // An invitation that came while this replica was still finishing the last round.
+        let round = self.round;
+        self.early_joins.retain(|(k, _)| k.index >= round);
+        let invite = self
+            .early_joins
+            .iter()
+            .find(|(k, from)| k.index == round && k.stage == stage && *from < self.me)
+            .copied();
+        if let Some((key, from)) = invite {
+            self.early_joins
+                .retain(|(k, f)| !(k.index == round && *f == from));
+            self.follow_round(key, from, now);
+            return;
+        }
         let replicas = self.members.replicas(stage);
         match self.config.sync {
             SyncMode::AllReduce => {
                 let others: f64 = replicas
                     .iter()
                     .filter_map(|k| self.progress.get(k))
-                    .filter(|(round, _)| *round == self.round)
-                    .map(|(_, s)| s)
+                    .filter(|p| p.0 == self.round)
+                    .map(|p| p.1)
                     .sum();
                 if self.accum_samples + others >= self.config.global_batch as f64 {
                     self.begin_round(replicas, now);
@@ -1549,6 +1846,7 @@ impl Peer {
                 let local_batch = self.config.global_batch as f64 / (replicas.len() + 1) as f64;
                 if !self.local_step_queued && self.accum_samples >= local_batch.max(1.0) {
                     self.local_step_queued = true;
+                    self.last_local_samples = self.accum_samples;
                     self.samples_since_outer += self.accum_samples;
                     self.accum_samples = 0.0;
                     self.enqueue(Job::LocalStep);
@@ -1631,6 +1929,9 @@ impl Peer {
                     if let Some(r) = self.averaging.as_mut() {
                         r.handle(from, RoundMsg::Join, now);
                     }
+                } else if from < self.me {
+                    // The round's leader invites this replica.
+                    self.follow_round(key, from, now);
                 }
             }
             RoundMsg::Start { .. } => {
@@ -1718,6 +2019,8 @@ impl Peer {
                     self.stats.rounds += 1;
                     let group = result.group.len();
                     self.round_group = group;
+                    self.round_samples = result.samples;
+                    self.remember(key.index, &result.averaged, result.samples);
                     let job = match self.config.sync {
                         SyncMode::AllReduce => Job::Step {
                             grad: result.averaged,
@@ -1756,6 +2059,8 @@ impl Peer {
             SyncMode::AllReduce => {
                 self.accum_samples = 0.0;
                 r.contribute(&values, samples, now);
+                self.release_held_commits();
+                self.send_progress();
             }
             SyncMode::DiLoCo { .. } => {
                 // Weighted by the samples behind it: contribute the sum.
@@ -1769,6 +2074,7 @@ impl Peer {
     fn on_stepped(&mut self, hash: u64, now: Duration) {
         let from_round = self.step_pending_round;
         self.step_pending_round = false;
+        self.last_advance = now;
         let mut group = 1;
         match self.config.sync {
             SyncMode::AllReduce => {
@@ -1797,10 +2103,16 @@ impl Peer {
             self.last_loss = loss;
         }
         self.losses = (0.0, 0);
+        let samples = if group > 1 || from_round || self.config.sync == SyncMode::AllReduce {
+            self.round_samples
+        } else {
+            self.last_local_samples
+        };
         self.event(Event::Stepped {
             step: self.step,
             loss,
             group,
+            samples,
             hash,
         });
         self.finished = self.stage_finished();
@@ -1818,7 +2130,24 @@ impl Peer {
         }
         self.actions
             .push_back(Action::Announce(self.announcement()));
+        self.release_held_commits();
+        if let Some(ahead) = self.replica_ahead() {
+            self.catch_up(ahead, now);
+        }
         self.maybe_begin_round(now);
+    }
+
+    /// A replica of this stage that completed more rounds than this one.
+    fn replica_ahead(&self) -> Option<PeerKey> {
+        let stage = self.stage?;
+        if self.finished {
+            return None;
+        }
+        self.members
+            .iter()
+            .filter(|(_, m)| m.serves(stage) && m.announcement.round > self.round)
+            .max_by_key(|(_, m)| m.announcement.round)
+            .map(|(k, _)| *k)
     }
 
     fn finish_round(&mut self) {

@@ -448,12 +448,13 @@ fn three_by_two(sync: SyncMode, max_steps: u64) -> Swarm {
         let t = s.now + 200 * MS;
         s.run_until(t);
     }
+    assert!(!s.all_finished(), "the run must outlast the set-up");
     s
 }
 
 #[test]
 fn a_swarm_trains_to_the_last_step_with_equal_replicas() {
-    let mut s = three_by_two(SyncMode::AllReduce, 6);
+    let mut s = three_by_two(SyncMode::AllReduce, 30);
     s.run_until(Duration::from_secs(60));
     assert!(
         s.all_finished(),
@@ -464,7 +465,7 @@ fn a_swarm_trains_to_the_last_step_with_equal_replicas() {
         let h = s.hashes(stage);
         assert_eq!(h.len(), 2, "stage {stage} has two replicas: {h:?}");
         assert_eq!(h[0], h[1], "stage {stage}: replicas differ");
-        assert_eq!(h[0].0, 6);
+        assert_eq!(h[0].0, 30);
     }
     s.assert_at_most_once();
     // Every step averaged the global batch (at least 8 samples, 4 microbatches).
@@ -482,11 +483,11 @@ fn a_swarm_trains_to_the_last_step_with_equal_replicas() {
 
 #[test]
 fn a_lost_reply_is_retried_and_never_applied_twice() {
-    let mut s = three_by_two(SyncMode::AllReduce, 4);
-    // Lose the first three gradients going back to a driver.
+    let mut s = three_by_two(SyncMode::AllReduce, 30);
+    // Lose the first three gradients going back to the first driver (the run's creator).
     let mut lost = 0;
-    s.filter = Box::new(move |_, _, m| {
-        if matches!(m, Message::Backward(b) if b.route.len() == 3) && lost < 3 {
+    s.filter = Box::new(move |_, to, m| {
+        if to == PeerKey(1) && matches!(m, Message::Backward(_)) && lost < 3 {
             lost += 1;
             return None;
         }
@@ -509,12 +510,12 @@ fn a_lost_reply_is_retried_and_never_applied_twice() {
 
 #[test]
 fn a_late_reply_races_its_retry_and_only_one_is_applied() {
-    let mut s = three_by_two(SyncMode::AllReduce, 4);
+    let mut s = three_by_two(SyncMode::AllReduce, 30);
     // Hold back the first backward passes to a driver past the deadline instead of losing
     // them: the retry and the original both come home.
     let mut seen = 0;
-    s.filter = Box::new(move |_, _, m| {
-        if matches!(m, Message::Backward(b) if b.route.len() == 3) {
+    s.filter = Box::new(move |_, to, m| {
+        if to == PeerKey(1) && matches!(m, Message::Backward(_)) {
             seen += 1;
             if seen <= 3 {
                 return Some(Duration::from_millis(700));
@@ -591,6 +592,22 @@ fn a_joiner_takes_a_stage_and_matches_its_replicas() {
 fn diloco_replicas_agree_after_every_outer_round() {
     let mut s = three_by_two(SyncMode::diloco(2), 6);
     s.run_until(Duration::from_secs(120));
+    if !s.all_finished() {
+        for (k, (p, _, _)) in &s.peers {
+            eprintln!(
+                "{k} stage {:?} step {} round {} finished {}",
+                p.stage(),
+                p.step(),
+                p.round(),
+                p.is_finished()
+            );
+        }
+        for (k, e) in &s.events {
+            if !matches!(e, Event::Committed { .. }) {
+                eprintln!("{k} {e:?}");
+            }
+        }
+    }
     assert!(s.all_finished());
     for stage in 0..3 {
         let h = s.hashes(stage);

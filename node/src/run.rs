@@ -1,0 +1,914 @@
+//! `shoal run`: one peer of a training run. The protocol decisions are made by
+//! [`shoal_protocol::swarm::Peer`]; this file only feeds it what happens (messages from the
+//! network, finished compute, the clock, Ctrl-C) and carries out what it asks (send, gossip,
+//! compute), keeping counts for the progress line and the report.
+
+use crate::cli::RunArgs;
+use crate::report;
+use anyhow::{Context, bail};
+use libp2p::multiaddr::Protocol;
+use libp2p::{Multiaddr, PeerId};
+use serde::{Deserialize, Serialize};
+use shoal_compute::data::TextCorpus;
+use shoal_compute::stage::{MicrobatchShape, StageInput, StageOutput};
+use shoal_compute::{
+    AdamW, Corpus, CpuBackend, LrSchedule, ModelConfig, Preset, StageSpec, replica::StageReplica,
+    replica::write_atomic,
+};
+use shoal_node::net::{self, NetConfig, NodeEvent, NodeHandle, identity};
+use shoal_protocol::swarm::message::Traffic;
+use shoal_protocol::swarm::{
+    Action, ComputeDone, DataSource, Envelope, Event, Input, Job, Message, Output, Peer, PeerKey,
+    Resume, RunConfig, RunId, StageCosts, SyncMode, Timing,
+};
+use shoal_protocol::{FrameKind, TrafficCodecs};
+use std::collections::{BTreeMap, HashMap};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// The JSON report written on exit.
+#[derive(Debug, Serialize)]
+struct RunReport {
+    run_id: String,
+    peer_id: String,
+    preset: String,
+    sync: String,
+    stage: Option<u32>,
+    stages: u32,
+    steps: u64,
+    rounds: u64,
+    params_hash: Option<String>,
+    resumed_from_step: Option<u64>,
+    microbatches_done: u64,
+    microbatches_retried: u64,
+    microbatches_dropped: u64,
+    rounds_degraded: u64,
+    state_transfers: u64,
+    moves: u64,
+    /// Mean loss of the last steps this peer saw as the last stage.
+    final_loss: Option<f64>,
+    loss_curve: Vec<(u64, f64)>,
+    /// `[stage, sample]` of every microbatch (by its first sample) whose gradient this peer
+    /// applied: over all replicas of a stage, no sample may appear twice.
+    committed_samples: Vec<(u32, u64)>,
+    /// Tokens of the microbatches this stage committed.
+    tokens: u64,
+    tokens_per_s: f64,
+    seconds: f64,
+    bytes_sent: BTreeMap<String, u64>,
+    bytes_received: BTreeMap<String, u64>,
+    stage_history: Vec<u32>,
+    /// Samples averaged in each step this peer took.
+    step_samples: Vec<f64>,
+}
+
+/// What a checkpoint file holds.
+#[derive(Debug, Serialize, Deserialize)]
+struct Checkpoint {
+    config: RunConfig,
+    stage: u32,
+    step: u64,
+    round: u64,
+    #[serde(with = "serde_bytes")]
+    state: Vec<u8>,
+}
+
+const CHECKPOINT_FILE: &str = "stage.ckpt";
+
+fn load_checkpoint(dir: &Path) -> anyhow::Result<Option<Checkpoint>> {
+    let path = dir.join(CHECKPOINT_FILE);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let ckpt: Checkpoint = postcard::from_bytes(&bytes)
+        .with_context(|| format!("{} is not a shoal checkpoint", path.display()))?;
+    Ok(Some(ckpt))
+}
+
+fn save_checkpoint(dir: &Path, ckpt: &Checkpoint) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let bytes = postcard::to_allocvec(ckpt)?;
+    let path = dir.join(CHECKPOINT_FILE);
+    write_atomic(&path, &bytes).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// The run's configuration from the command line of the peer that creates it.
+fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
+    let model = args.preset.config();
+    let seq = args.seq.unwrap_or(model.context);
+    if seq > model.context {
+        bail!(
+            "--seq {seq} exceeds the {} context of {}",
+            model.context,
+            args.preset
+        );
+    }
+    StageSpec {
+        index: 0,
+        count: args.stages,
+    }
+    .validate(&model)
+    .context("--stages")?;
+    let data = match &args.data {
+        None => DataSource::Synthetic,
+        Some(path) => {
+            let bytes =
+                std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+            DataSource::TextFile {
+                name: path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                hash: xxhash_rust::xxh3::xxh3_64(&bytes),
+            }
+        }
+    };
+    let sync = match args.sync {
+        SyncMode::AllReduce => SyncMode::AllReduce,
+        SyncMode::DiLoCo { .. } => SyncMode::diloco(args.diloco_h as u32),
+    };
+    let config = RunConfig {
+        preset: args.preset.name().to_string(),
+        stages: args.stages as u32,
+        global_batch: args.global_batch as u32,
+        microbatch: args.microbatch as u32,
+        seq: seq as u32,
+        sync,
+        lr: args.lr.unwrap_or(args.preset.default_lr()),
+        max_steps: args.max_steps as u64,
+        codecs: TrafficCodecs {
+            activations: args.activation_codec,
+            activation_grads: args.gradient_codec,
+            averaging: args.averaging_codec,
+        },
+        data,
+        seed: args.seed,
+    };
+    config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(config)
+}
+
+fn model_of(config: &RunConfig) -> anyhow::Result<ModelConfig> {
+    let preset: Preset = config
+        .preset
+        .parse()
+        .map_err(|e| anyhow::anyhow!("the run uses an unknown preset: {e}"))?;
+    Ok(preset.config())
+}
+
+/// What the protocol needs to know of the model's stages.
+fn stage_costs(config: &RunConfig, model: &ModelConfig) -> StageCosts {
+    let specs: Vec<StageSpec> = (0..config.stages as usize)
+        .map(|index| StageSpec {
+            index,
+            count: config.stages as usize,
+        })
+        .collect();
+    StageCosts {
+        flops_per_sample: specs
+            .iter()
+            .map(|s| s.train_flops_per_sample(model, config.seq as usize))
+            .collect(),
+        params: specs.iter().map(|s| s.param_count(model)).collect(),
+        activation_values: config.seq as usize * model.width,
+    }
+}
+
+/// The compute thread: owns the stage replica and the data; runs one job at a time.
+struct Worker {
+    config: RunConfig,
+    model: ModelConfig,
+    backend: Arc<CpuBackend>,
+    corpus: Option<Corpus>,
+    replica: Option<StageReplica<CpuBackend>>,
+    checkpoint_dir: Option<PathBuf>,
+}
+
+impl Worker {
+    fn build(&self, stage: u32) -> anyhow::Result<StageReplica<CpuBackend>> {
+        let spec = StageSpec {
+            index: stage as usize,
+            count: self.config.stages as usize,
+        };
+        let schedule = LrSchedule::for_steps(self.config.lr, self.config.max_steps);
+        Ok(StageReplica::new(
+            self.backend.clone(),
+            self.model,
+            spec,
+            self.config.seed,
+            AdamW::default(),
+            schedule,
+        )?)
+    }
+
+    fn replica(&mut self) -> anyhow::Result<&mut StageReplica<CpuBackend>> {
+        self.replica.as_mut().context("no stage yet")
+    }
+
+    fn run(&mut self, job: Job) -> anyhow::Result<ComputeDone> {
+        Ok(match job {
+            Job::Init { stage } => {
+                let r = self.build(stage)?;
+                let hash = r.param_hash()?;
+                self.replica = Some(r);
+                ComputeDone::Ready { hash }
+            }
+            Job::Import { stage, state } => {
+                let mut r = self.build(stage)?;
+                r.import_state(&state)?;
+                let hash = r.param_hash()?;
+                self.replica = Some(r);
+                ComputeDone::Ready { hash }
+            }
+            Job::Forward {
+                id,
+                rows,
+                input,
+                targets,
+            } => {
+                let seq = self.config.seq as usize;
+                let shape = MicrobatchShape {
+                    batch: rows as usize,
+                    seq,
+                };
+                match input {
+                    Input::Sample { index } => {
+                        let corpus = self.corpus.as_ref().context("no data on this peer")?;
+                        let mut inputs = Vec::with_capacity(rows as usize * seq);
+                        let mut targets = Vec::with_capacity(rows as usize * seq);
+                        let mut sample = vec![0u32; seq + 1];
+                        for r in 0..rows as u64 {
+                            corpus.sample(self.config.seed, index.wrapping_add(r), &mut sample);
+                            inputs.extend_from_slice(&sample[..seq]);
+                            targets.extend_from_slice(&sample[1..]);
+                        }
+                        let out = self.replica()?.forward(
+                            id,
+                            shape,
+                            StageInput::Tokens(&inputs),
+                            Some(&targets),
+                        )?;
+                        ComputeDone::Forward {
+                            id,
+                            output: output(out),
+                            targets: Some(targets),
+                        }
+                    }
+                    Input::Activations(acts) => {
+                        let out = self.replica()?.forward(
+                            id,
+                            shape,
+                            StageInput::Activations(&acts),
+                            targets.as_deref(),
+                        )?;
+                        ComputeDone::Forward {
+                            id,
+                            output: output(out),
+                            targets: None,
+                        }
+                    }
+                }
+            }
+            Job::Backward { id, grad, rows } => {
+                let grad = self.replica()?.backward(id, grad.as_deref(), rows as f32)?;
+                ComputeDone::Backward { id, grad }
+            }
+            Job::Commit { id } => {
+                self.replica()?.commit(id);
+                ComputeDone::Done
+            }
+            Job::Abort { id } => {
+                if let Some(r) = self.replica.as_mut() {
+                    r.abort(id);
+                }
+                ComputeDone::Done
+            }
+            Job::TakeGradient => {
+                let (values, samples) = self.replica()?.take_gradient();
+                let values = if values.is_empty() {
+                    vec![0.0; self.replica()?.param_count()]
+                } else {
+                    values
+                };
+                ComputeDone::Gradient { values, samples }
+            }
+            Job::TakePseudoGradient => ComputeDone::Gradient {
+                values: self.replica()?.pseudo_gradient()?,
+                samples: 0.0,
+            },
+            Job::Step { grad } => ComputeDone::Stepped {
+                hash: self.replica()?.apply_step(&grad)?,
+            },
+            Job::LocalStep => {
+                let r = self.replica()?;
+                let (mut g, samples) = r.take_gradient();
+                if g.is_empty() {
+                    g = vec![0.0; r.param_count()];
+                }
+                let scale = 1.0 / samples.max(1.0) as f32;
+                g.iter_mut().for_each(|v| *v *= scale);
+                ComputeDone::Stepped {
+                    hash: r.apply_step(&g)?,
+                }
+            }
+            Job::OuterStep { avg, lr, momentum } => ComputeDone::Stepped {
+                hash: self.replica()?.apply_outer_step(&avg, lr, momentum)?,
+            },
+            Job::Export { to } => ComputeDone::State {
+                to,
+                bytes: self.replica()?.export_state()?,
+            },
+            Job::Checkpoint { step, round } => {
+                self.checkpoint(step, round)?;
+                ComputeDone::Done
+            }
+        })
+    }
+
+    fn checkpoint(&mut self, step: u64, round: u64) -> anyhow::Result<()> {
+        let (Some(dir), Some(r)) = (self.checkpoint_dir.clone(), self.replica.as_ref()) else {
+            return Ok(());
+        };
+        let ckpt = Checkpoint {
+            config: self.config.clone(),
+            stage: r.spec().index as u32,
+            step,
+            round,
+            state: r.export_state()?,
+        };
+        save_checkpoint(&dir, &ckpt)
+    }
+}
+
+fn output(out: StageOutput) -> Output {
+    match out {
+        StageOutput::Activations(a) => Output::Activations(a),
+        StageOutput::Loss(l) => Output::Loss(l),
+    }
+}
+
+enum WorkerMsg {
+    Job(Job),
+    /// Checkpoint now (shutdown) and report when written.
+    Checkpoint(u64, u64, std::sync::mpsc::Sender<anyhow::Result<()>>),
+}
+
+fn spawn_worker(
+    mut worker: Worker,
+    done: mpsc::UnboundedSender<ComputeDone>,
+) -> std::sync::mpsc::Sender<WorkerMsg> {
+    let (tx, rx) = std::sync::mpsc::channel::<WorkerMsg>();
+    std::thread::Builder::new()
+        .name("shoal-compute".into())
+        .spawn(move || {
+            while let Ok(msg) = rx.recv() {
+                match msg {
+                    WorkerMsg::Job(job) => {
+                        let result = worker.run(job).unwrap_or_else(|e| ComputeDone::Failed {
+                            error: format!("{e:#}"),
+                        });
+                        if done.send(result).is_err() {
+                            return;
+                        }
+                    }
+                    WorkerMsg::Checkpoint(step, round, reply) => {
+                        let _ = reply.send(worker.checkpoint(step, round));
+                    }
+                }
+            }
+        })
+        .unwrap_or_else(|e| panic!("cannot start the compute thread: {e}"));
+    tx
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(args))
+}
+
+fn key_of(peer: &PeerId) -> PeerKey {
+    PeerKey::from_bytes(&peer.to_bytes())
+}
+
+fn bootstrap_peers(addrs: &[Multiaddr]) -> Vec<PeerId> {
+    addrs
+        .iter()
+        .filter_map(|a| match a.iter().last() {
+            Some(Protocol::P2p(p)) => Some(p),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Asks the bootstrap peers for the run's configuration.
+async fn learn_config(
+    handle: &NodeHandle,
+    run: RunId,
+    bootstrap: &[PeerId],
+    frames: &mut mpsc::Receiver<net::InboundFrame>,
+) -> anyhow::Result<RunConfig> {
+    if bootstrap.is_empty() {
+        bail!("--bootstrap addresses must end in /p2p/<peer id> to learn the run from");
+    }
+    let hello = Envelope {
+        run,
+        msg: Message::Hello,
+    }
+    .to_bytes();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut ask = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            _ = ask.tick() => {
+                if Instant::now() > deadline {
+                    bail!("no peer of run {run} answered within 60 s");
+                }
+                for p in bootstrap {
+                    let (h, p, hello) = (handle.clone(), *p, hello.clone());
+                    tokio::spawn(async move {
+                        if let Err(e) = h.send_frame(p, FrameKind::Control, &hello).await {
+                            tracing::debug!("hello to {p}: {e}");
+                        }
+                    });
+                }
+            }
+            Some(frame) = frames.recv() => {
+                if let Ok(Envelope { run: r, msg: Message::Config(config) }) =
+                    Envelope::from_bytes(&frame.payload)
+                {
+                    if r == run && config.run_id() == run {
+                        config.validate().map_err(|e| anyhow::anyhow!("the run's configuration: {e}"))?;
+                        return Ok(config);
+                    }
+                    tracing::warn!(peer = %frame.peer, "configuration of another run");
+                }
+            }
+        }
+    }
+}
+
+/// Live state of the driver loop, for progress and the report.
+#[derive(Default)]
+struct Tally {
+    bytes_sent: BTreeMap<Traffic, u64>,
+    bytes_received: BTreeMap<Traffic, u64>,
+    loss_curve: Vec<(u64, f64)>,
+    committed: Vec<(u32, u64)>,
+    stage_history: Vec<u32>,
+    step_samples: Vec<f64>,
+    finished_at: Option<Instant>,
+}
+
+async fn serve(args: RunArgs) -> anyhow::Result<()> {
+    let key_path = args.identity.clone().unwrap_or_else(identity::default_path);
+    let key = identity::load_or_create(&key_path)?;
+    let checkpoint = match &args.checkpoint_dir {
+        Some(dir) => load_checkpoint(dir)?,
+        None => None,
+    };
+    // The run: from the checkpoint, from --run (learned from a peer), or created here.
+    let created = if args.run.is_none() {
+        match &checkpoint {
+            Some(c) => Some(c.config.clone()),
+            None => Some(config_from_args(&args)?),
+        }
+    } else {
+        None
+    };
+    let run_id = match (&created, args.run) {
+        (Some(c), _) => c.run_id(),
+        (None, Some(id)) => id,
+        (None, None) => bail!("--run is required to join"),
+    };
+    if let (Some(c), Some(id)) = (&checkpoint, args.run) {
+        if c.config.run_id() != id {
+            bail!(
+                "the checkpoint in {} belongs to run {}, not {id}",
+                args.checkpoint_dir
+                    .as_deref()
+                    .unwrap_or(Path::new("."))
+                    .display(),
+                c.config.run_id()
+            );
+        }
+    }
+    let mut net_config = NetConfig {
+        bootstrap: args.bootstrap.clone(),
+        mdns: !args.no_mdns,
+        direct: !args.no_direct,
+        run: run_id.to_string(),
+        ..NetConfig::default()
+    };
+    if !args.listen.is_empty() {
+        net_config.listen = args.listen.clone();
+    }
+    let (handle, mut events, mut frames) = net::start(key, net_config).await?;
+    let me = key_of(&handle.peer_id);
+    let config = match created {
+        Some(c) => c,
+        None => {
+            let boot = bootstrap_peers(&args.bootstrap);
+            println!("joining run {run_id} through {} peer(s)", boot.len());
+            learn_config(&handle, run_id, &boot, &mut frames).await?
+        }
+    };
+    let model = model_of(&config)?;
+    let costs = stage_costs(&config, &model);
+    let corpus = match &config.data {
+        DataSource::Synthetic => Some(Corpus::synthetic(config.seed)),
+        DataSource::TextFile { name, hash } => match &args.data {
+            Some(path) => {
+                let bytes = std::fs::read(path)
+                    .with_context(|| format!("cannot read {}", path.display()))?;
+                if xxhash_rust::xxh3::xxh3_64(&bytes) != *hash {
+                    bail!("{} is not the run's data file {name}", path.display());
+                }
+                Some(Corpus::Text(TextCorpus::open(path)?))
+            }
+            // Without the file this peer serves later stages only... but stage choice is the
+            // protocol's; refuse clearly rather than fail on the first microbatch.
+            None => bail!("this run trains on {name}: pass the same file with --data"),
+        },
+    };
+    if let Some(c) = &corpus {
+        c.check_seq(config.seq as usize)?;
+    }
+    let backend = Arc::new(CpuBackend::new(args.threads)?);
+    let mut worker = Worker {
+        config: config.clone(),
+        model,
+        backend,
+        corpus,
+        replica: None,
+        checkpoint_dir: args.checkpoint_dir.clone(),
+    };
+    let mut resume = None;
+    if let Some(c) = checkpoint {
+        let mut r = worker.build(c.stage)?;
+        r.import_state(&c.state)
+            .context("the checkpoint does not fit this run's stage")?;
+        resume = Some(Resume {
+            stage: c.stage,
+            step: c.step,
+            round: c.round,
+            hash: r.param_hash()?,
+        });
+        worker.replica = Some(r);
+        println!(
+            "resuming stage {} at step {} from {}",
+            c.stage,
+            c.step,
+            args.checkpoint_dir
+                .as_deref()
+                .unwrap_or(Path::new("."))
+                .display()
+        );
+    }
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let jobs = spawn_worker(worker, done_tx);
+
+    let start = Instant::now();
+    let now = || start.elapsed();
+    let seed = config.seed ^ me.0;
+    let mut peer = Peer::new(
+        me,
+        config.clone(),
+        costs,
+        Timing::default(),
+        seed,
+        resume,
+        now(),
+    );
+    peer.set_checkpoint_every(
+        args.checkpoint_dir
+            .as_ref()
+            .map(|_| args.checkpoint_every as u64),
+    );
+    println!(
+        "shoal run {run_id}: {} in {} stages, {} sync, global batch {}, microbatch {}, {} steps; peer {}",
+        config.preset,
+        config.stages,
+        config.sync,
+        config.global_batch,
+        config.microbatch,
+        config.max_steps,
+        handle.peer_id
+    );
+
+    let mut ids: HashMap<PeerKey, PeerId> = HashMap::new();
+    let (failed_tx, mut failed_rx) = mpsc::unbounded_channel::<PeerKey>();
+    let (sent_tx, mut sent_rx) = mpsc::unbounded_channel::<(Traffic, u64)>();
+    let mut tally = Tally::default();
+    let mut printed_join = false;
+    let mut progress = Progress::new();
+    let mut timer = tokio::time::interval(Duration::from_millis(100));
+    timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    let interrupted = loop {
+        tokio::select! {
+            _ = &mut ctrl_c => break true,
+            _ = timer.tick() => {
+                if peer.poll_timeout().is_some_and(|t| t <= now()) {
+                    peer.handle_timeout(now());
+                }
+                progress.maybe_print(&peer, &tally, start);
+            }
+            Some(event) = events.recv() => match event {
+                NodeEvent::Listening(addr)
+                    if args.run.is_none() && !printed_join && is_dialable(&addr) =>
+                {
+                    printed_join = true;
+                    println!("others join with:\n  shoal run --run {run_id} --bootstrap {addr}");
+                }
+                NodeEvent::Gossip { from, data } => {
+                    let k = key_of(&from);
+                    ids.insert(k, from);
+                    if let Ok(Envelope { run, msg: msg @ Message::Announce(_) }) = Envelope::from_bytes(&data) {
+                        if run == run_id {
+                            peer.handle_message(k, msg, now());
+                        }
+                    }
+                }
+                NodeEvent::Connected(p) | NodeEvent::Discovered(p) => {
+                    ids.insert(key_of(&p), p);
+                }
+                NodeEvent::Disconnected(p) => peer.handle_peer_lost(key_of(&p), now()),
+                _ => {}
+            },
+            Some(frame) = frames.recv() => {
+                let k = key_of(&frame.peer);
+                ids.insert(k, frame.peer);
+                match Envelope::from_bytes(&frame.payload) {
+                    Ok(env) if env.run == run_id => {
+                        *tally.bytes_received.entry(env.msg.traffic()).or_default() += frame.payload.len() as u64;
+                        peer.handle_message(k, env.msg, now());
+                    }
+                    Ok(env) => tracing::debug!(peer = %frame.peer, "message of run {}", env.run),
+                    Err(e) => tracing::warn!(peer = %frame.peer, "bad message: {e}"),
+                }
+            }
+            Some(done) = done_rx.recv() => peer.handle_compute_done(done, now()),
+            Some(k) = failed_rx.recv() => peer.handle_peer_lost(k, now()),
+            Some((traffic, bytes)) = sent_rx.recv() => {
+                *tally.bytes_sent.entry(traffic).or_default() += bytes;
+            }
+        }
+        while let Some(action) = peer.poll_action() {
+            match action {
+                Action::Send { to, msg } => {
+                    let Some(&pid) = ids.get(&to) else {
+                        tracing::debug!("no address for {to}");
+                        continue;
+                    };
+                    let traffic = msg.traffic();
+                    let bytes = Envelope { run: run_id, msg }.to_bytes();
+                    let (h, failed, sent) = (handle.clone(), failed_tx.clone(), sent_tx.clone());
+                    // Each message on its own task and stream: many in flight, none blocking
+                    // another; the protocol does not rely on ordering between messages.
+                    tokio::spawn(async move {
+                        match h.send_frame(pid, FrameKind::Tensor, &bytes).await {
+                            Ok(()) => {
+                                let _ = sent.send((traffic, bytes.len() as u64));
+                            }
+                            Err(e) => {
+                                tracing::info!("send to {pid} failed: {e}");
+                                let _ = failed.send(to);
+                            }
+                        }
+                    });
+                }
+                Action::Announce(a) => {
+                    let bytes = Envelope {
+                        run: run_id,
+                        msg: Message::Announce(a),
+                    }
+                    .to_bytes();
+                    let h = handle.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = h.publish(bytes).await {
+                            tracing::debug!("gossip: {e:#}");
+                        }
+                    });
+                }
+                Action::Compute(job) => {
+                    if jobs.send(WorkerMsg::Job(job)).is_err() {
+                        bail!("the compute thread stopped");
+                    }
+                }
+                Action::Event(e) => on_event(e, &peer, &mut tally),
+            }
+        }
+        if let Some(t) = tally.finished_at {
+            // Linger so replicas still finishing can fetch what they need.
+            if t.elapsed() > Duration::from_secs(3) {
+                break false;
+            }
+        }
+    };
+    progress.finish();
+    // Leaving: tell the others, save the stage, write the report.
+    let bye = Envelope {
+        run: run_id,
+        msg: Message::Announce(peer.leave()),
+    }
+    .to_bytes();
+    let _ = tokio::time::timeout(Duration::from_secs(1), handle.publish(bye)).await;
+    if args.checkpoint_dir.is_some() && peer.is_serving() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        if jobs
+            .send(WorkerMsg::Checkpoint(peer.step(), peer.round(), tx))
+            .is_ok()
+        {
+            match tokio::task::spawn_blocking(move || rx.recv()).await {
+                Ok(Ok(Ok(()))) => println!("checkpoint written at step {}", peer.step()),
+                Ok(Ok(Err(e))) => eprintln!("error: checkpoint: {e:#}"),
+                _ => eprintln!("error: checkpoint: the compute thread stopped"),
+            }
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let stats = peer.stats();
+    let tokens = stats.microbatches_done * config.microbatch as u64 * config.seq as u64;
+    let window = (tally.loss_curve.len() / 10).clamp(1, 10);
+    let final_loss = (!tally.loss_curve.is_empty()).then(|| {
+        let tail = &tally.loss_curve[tally.loss_curve.len().saturating_sub(window)..];
+        tail.iter().map(|(_, l)| l).sum::<f64>() / tail.len() as f64
+    });
+    println!(
+        "{}: stage {} at step {}, {} microbatches ({} retried, {} dropped), {:.0} tokens/s{}",
+        if interrupted { "stopped" } else { "done" },
+        peer.stage().map_or("-".into(), |s| s.to_string()),
+        peer.step(),
+        stats.microbatches_done,
+        stats.microbatches_retried,
+        stats.microbatches_dropped,
+        tokens as f64 / seconds.max(1e-9),
+        final_loss.map_or(String::new(), |l| format!(", loss {l:.4}")),
+    );
+    if let Some(path) = &args.report {
+        let names = |m: &BTreeMap<Traffic, u64>| {
+            Traffic::ALL
+                .iter()
+                .map(|t| (t.name().to_string(), m.get(t).copied().unwrap_or(0)))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let report = RunReport {
+            run_id: run_id.to_string(),
+            peer_id: handle.peer_id.to_string(),
+            preset: config.preset.clone(),
+            sync: config.sync.to_string(),
+            stage: peer.stage(),
+            stages: config.stages,
+            steps: peer.step(),
+            rounds: peer.round(),
+            params_hash: peer.params_hash().map(|h| format!("{h:016x}")),
+            resumed_from_step: resume.map(|r| r.step),
+            microbatches_done: stats.microbatches_done,
+            microbatches_retried: stats.microbatches_retried,
+            microbatches_dropped: stats.microbatches_dropped,
+            rounds_degraded: stats.rounds_degraded,
+            state_transfers: stats.state_transfers,
+            moves: stats.moves,
+            final_loss,
+            loss_curve: tally.loss_curve,
+            committed_samples: tally.committed,
+            tokens,
+            tokens_per_s: tokens as f64 / seconds.max(1e-9),
+            seconds,
+            bytes_sent: names(&tally.bytes_sent),
+            bytes_received: names(&tally.bytes_received),
+            stage_history: tally.stage_history,
+            step_samples: tally.step_samples,
+        };
+        report::write_json(path, &report)?;
+    }
+    Ok(())
+}
+
+fn is_dialable(addr: &Multiaddr) -> bool {
+    !addr.iter().any(|p| match p {
+        Protocol::Ip4(ip) => ip.is_unspecified(),
+        Protocol::Ip6(ip) => ip.is_unspecified(),
+        _ => false,
+    })
+}
+
+fn on_event(e: Event, peer: &Peer, tally: &mut Tally) {
+    match e {
+        Event::Serving { stage, step, from } => {
+            tally.stage_history.push(stage);
+            match from {
+                Some(from) => {
+                    println!("serving stage {stage} from step {step} (state from {from})")
+                }
+                None => println!("serving stage {stage} from step {step}"),
+            }
+        }
+        Event::Stepped {
+            step,
+            loss,
+            samples,
+            ..
+        } => {
+            tally.step_samples.push(samples);
+            if let Some(l) = loss {
+                tally.loss_curve.push((step, l as f64));
+            }
+        }
+        Event::Committed { sample } => {
+            if let Some(stage) = peer.stage() {
+                tally.committed.push((stage, sample));
+            }
+        }
+        Event::RoundDegraded {
+            round,
+            left_out,
+            zeroed,
+        } => tracing::warn!("round {round}: {left_out} member(s) left out, {zeroed} part(s) lost"),
+        Event::RoundFailed { round, reason } => tracing::info!("round {round}: {reason}"),
+        Event::Resync { from, reason } => println!("re-syncing from {from}: {reason}"),
+        Event::Moving { from, to } => println!("moving from stage {from} to stage {to}"),
+        Event::Dropped { microbatch } => tracing::info!("microbatch {microbatch} dropped"),
+        Event::Finished => {
+            if tally.finished_at.is_none() {
+                tally.finished_at = Some(Instant::now());
+                println!("the run reached step {}", peer.step());
+            }
+        }
+        Event::Warning(w) => tracing::warn!("{w}"),
+    }
+}
+
+/// The progress line: a status line on a terminal, a plain line every few seconds otherwise.
+struct Progress {
+    tty: bool,
+    last: Instant,
+    last_done: u64,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Progress {
+            tty: std::io::stdout().is_terminal(),
+            last: Instant::now(),
+            last_done: 0,
+        }
+    }
+
+    fn maybe_print(&mut self, peer: &Peer, tally: &Tally, _start: Instant) {
+        let every = if self.tty {
+            Duration::from_millis(500)
+        } else {
+            Duration::from_secs(5)
+        };
+        if self.last.elapsed() < every {
+            return;
+        }
+        let stats = peer.stats();
+        let dt = self.last.elapsed().as_secs_f64();
+        let c = peer.config();
+        let tokens = (stats.microbatches_done - self.last_done) * (c.microbatch * c.seq) as u64;
+        self.last = Instant::now();
+        self.last_done = stats.microbatches_done;
+        let loss = tally
+            .loss_curve
+            .last()
+            .map_or("-".to_string(), |(_, l)| format!("{l:.4}"));
+        let replicas: Vec<String> = peer
+            .stage_replicas()
+            .iter()
+            .map(|n| n.to_string())
+            .collect();
+        let line = format!(
+            "stage {}  step {}/{}  loss {}  {:.0} tok/s  peers per stage [{}]",
+            peer.stage().map_or("-".into(), |s| s.to_string()),
+            peer.step(),
+            c.max_steps,
+            loss,
+            tokens as f64 / dt.max(1e-9),
+            replicas.join(" ")
+        );
+        if self.tty {
+            print!("\r\x1b[2K{line}");
+            let _ = std::io::Write::flush(&mut std::io::stdout());
+        } else {
+            println!("{line}");
+        }
+    }
+
+    fn finish(&self) {
+        if self.tty {
+            println!();
+        }
+    }
+}
