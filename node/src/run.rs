@@ -476,13 +476,11 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         None => None,
     };
     // The run: from the checkpoint, from --run (learned from a peer), or created here.
-    let created = if args.run.is_none() {
-        match &checkpoint {
-            Some(c) => Some(c.config.clone()),
-            None => Some(config_from_args(&args)?),
-        }
-    } else {
-        None
+    // A restarted peer knows its run from its checkpoint.
+    let created = match (&checkpoint, args.run) {
+        (Some(c), _) => Some(c.config.clone()),
+        (None, None) => Some(config_from_args(&args)?),
+        (None, Some(_)) => None,
     };
     let run_id = match (&created, args.run) {
         (Some(c), _) => c.run_id(),
@@ -624,11 +622,12 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                 progress.maybe_print(&peer, &tally, start);
             }
             Some(event) = events.recv() => match event {
-                NodeEvent::Listening(addr)
-                    if args.run.is_none() && !printed_join && is_dialable(&addr) =>
-                {
-                    printed_join = true;
-                    println!("others join with:\n  shoal run --run {run_id} --bootstrap {addr}");
+                NodeEvent::Listening(addr) if is_dialable(&addr) => {
+                    println!("listening on {addr}");
+                    if args.run.is_none() && !printed_join {
+                        printed_join = true;
+                        println!("others join with:\n  shoal run --run {run_id} --bootstrap {addr}");
+                    }
                 }
                 NodeEvent::Gossip { from, data } => {
                     let k = key_of(&from);
@@ -658,7 +657,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                 }
             }
             Some(done) = done_rx.recv() => peer.handle_compute_done(done, now()),
-            Some(k) = failed_rx.recv() => peer.handle_peer_lost(k, now()),
+            Some(k) = failed_rx.recv() => peer.handle_send_failed(k, now()),
             Some((traffic, bytes)) = sent_rx.recv() => {
                 *tally.bytes_sent.entry(traffic).or_default() += bytes;
             }

@@ -197,3 +197,151 @@ pub fn temp_dir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).expect("create temp dir");
     dir
 }
+
+/// A `shoal run` process: one peer of a training run, observed through its output lines.
+pub struct RunProcess {
+    /// A name for messages.
+    pub name: String,
+    /// Where it writes its JSON report on exit.
+    pub report: PathBuf,
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    /// Every output line so far.
+    pub seen: Vec<String>,
+}
+
+impl RunProcess {
+    /// Starts `shoal run` with identity `dir/<name>.key`, report `dir/<name>.json` and `args`.
+    pub fn start(dir: &Path, name: &str, args: &[&str]) -> RunProcess {
+        let report = dir.join(format!("{name}.json"));
+        let _ = std::fs::remove_file(&report);
+        let mut child = Command::new(shoal_binary())
+            .arg("run")
+            .arg("--identity")
+            .arg(dir.join(format!("{name}.key")))
+            .arg("--report")
+            .arg(&report)
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var("SHOAL_TEST_LOG").unwrap_or_else(|_| "error".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start shoal run");
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = mpsc::channel();
+        let label = name.to_owned();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if std::env::var_os("SHOAL_TEST_ECHO").is_some() {
+                    eprintln!("[{label}] {line}");
+                }
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        RunProcess {
+            name: name.to_owned(),
+            report,
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits for an output line (new or already seen) matching `pred`; panics after
+    /// `timeout` or if the process exits first.
+    pub fn wait_line(&mut self, timeout: Duration, pred: impl Fn(&str) -> bool) -> String {
+        if let Some(l) = self.seen.iter().find(|l| pred(l)) {
+            return l.clone();
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    self.seen.push(l.clone());
+                    if pred(&l) {
+                        return l;
+                    }
+                }
+                Err(e) => panic!(
+                    "{}: no matching line within {timeout:?} ({e}); last lines: {:?}",
+                    self.name,
+                    self.seen.iter().rev().take(8).collect::<Vec<_>>()
+                ),
+            }
+        }
+    }
+
+    /// The highest step shown in its progress lines so far (reads what has arrived).
+    pub fn step(&mut self) -> u64 {
+        while let Ok(l) = self.lines.try_recv() {
+            self.seen.push(l);
+        }
+        self.seen
+            .iter()
+            .filter_map(|l| l.split("step ").nth(1))
+            .filter_map(|rest| rest.split('/').next()?.trim().parse::<u64>().ok())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Waits until its progress shows `step` or more.
+    pub fn wait_step(&mut self, step: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while self.step() < step {
+            assert!(
+                Instant::now() < deadline,
+                "{}: step {} not reached within {timeout:?}; last lines: {:?}",
+                self.name,
+                step,
+                self.seen.iter().rev().take(8).collect::<Vec<_>>()
+            );
+            assert!(self.is_running(), "{} exited early", self.name);
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Kills the process with SIGKILL (no checkpoint, no goodbye).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Waits for the process to exit by itself and returns its report.
+    pub fn finish(&mut self, timeout: Duration) -> Value {
+        let deadline = Instant::now() + timeout;
+        while self.is_running() {
+            assert!(
+                Instant::now() < deadline,
+                "{} did not finish within {timeout:?}; last lines: {:?}",
+                self.name,
+                self.seen.iter().rev().take(8).collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        while let Ok(l) = self.lines.try_recv() {
+            self.seen.push(l);
+        }
+        let text = std::fs::read_to_string(&self.report)
+            .unwrap_or_else(|e| panic!("{}: no report ({e}); output: {:?}", self.name, self.seen));
+        serde_json::from_str(&text).expect("report is JSON")
+    }
+}
+
+impl Drop for RunProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

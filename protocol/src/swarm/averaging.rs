@@ -48,6 +48,9 @@ pub struct RoundResult {
     pub group: Vec<PeerKey>,
     /// Samples behind this member's own part's average.
     pub samples: f64,
+    /// Mean loss per sample over the members that reported one (the last stage's replicas
+    /// do): the step's loss over the whole global batch, known to every replica.
+    pub loss: Option<f64>,
     /// Members whose share did not reach this member's part in time.
     pub left_out: Vec<PeerKey>,
     /// Parts nobody could deliver (zero everywhere).
@@ -84,12 +87,13 @@ pub struct Round {
     group: Vec<PeerKey>,
     early: Vec<(PeerKey, RoundMsg)>,
     /// Shares of the part this member owns: values (sums) and samples per sender.
-    shares: BTreeMap<PeerKey, (Vec<f32>, f64)>,
+    shares: BTreeMap<PeerKey, (Vec<f32>, f64, Option<f64>)>,
     owned_done: bool,
     averaged: Vec<Option<Vec<f32>>>,
     /// Averaged parts as encoded, to answer requests.
-    encoded: BTreeMap<u32, (f64, Vec<u8>)>,
+    encoded: BTreeMap<u32, (f64, Option<f64>, Vec<u8>)>,
     own_samples: f64,
+    loss: Option<f64>,
     missing_answers: BTreeMap<u32, BTreeSet<PeerKey>>,
     started: Duration,
     deadline: Option<Duration>,
@@ -129,6 +133,7 @@ impl Round {
             averaged: Vec::new(),
             encoded: BTreeMap::new(),
             own_samples: 0.0,
+            loss: None,
             missing_answers: BTreeMap::new(),
             started: now,
             deadline: None,
@@ -243,8 +248,9 @@ impl Round {
         part_range(self.len, self.group.len(), j)
     }
 
-    /// This member's contribution: the sum over its samples, and how many samples.
-    pub fn contribute(&mut self, values: &[f32], samples: f64, now: Duration) {
+    /// This member's contribution: the sum over its samples, how many samples, and (last
+    /// stage) the sum of the samples' losses.
+    pub fn contribute(&mut self, values: &[f32], samples: f64, loss: Option<f64>, now: Duration) {
         if self.phase != Phase::AwaitContribution || values.len() != self.len {
             return;
         }
@@ -257,7 +263,8 @@ impl Round {
         for j in 0..self.group.len() {
             let r = self.range(j);
             if j == me {
-                self.shares.insert(self.me, (values[r].to_vec(), samples));
+                self.shares
+                    .insert(self.me, (values[r].to_vec(), samples, loss));
                 continue;
             }
             if r.is_empty() {
@@ -273,6 +280,7 @@ impl Round {
                     RoundMsg::Part {
                         part: j as u32,
                         samples,
+                        loss,
                         data: buf.clone(),
                     },
                 ));
@@ -333,6 +341,7 @@ impl Round {
                 RoundMsg::Part {
                     part,
                     samples,
+                    loss,
                     data,
                 },
             ) => {
@@ -340,12 +349,13 @@ impl Round {
                 if part as usize != me || self.owned_done || !self.group.contains(&from) {
                     return;
                 }
-                if !(samples.is_finite() && samples >= 0.0) {
+                if !(samples.is_finite() && samples >= 0.0) || loss.is_some_and(|l| !l.is_finite())
+                {
                     return;
                 }
                 let expect = self.range(me).len();
                 if let Some(v) = self.decode(&data, expect) {
-                    self.shares.insert(from, (v, samples));
+                    self.shares.insert(from, (v, samples, loss));
                 }
                 self.maybe_reduce(now, false);
                 self.maybe_finish(now);
@@ -355,6 +365,7 @@ impl Round {
                 RoundMsg::Averaged {
                     part,
                     samples,
+                    loss,
                     data,
                 },
             ) => {
@@ -368,7 +379,10 @@ impl Round {
                 let expect = self.range(j).len();
                 if let Some(v) = self.decode(&data, expect) {
                     self.averaged[j] = Some(v);
-                    self.encoded.insert(part, (samples, data));
+                    if self.loss.is_none() {
+                        self.loss = loss.filter(|l| l.is_finite());
+                    }
+                    self.encoded.insert(part, (samples, loss, data));
                 }
                 self.maybe_finish(now);
             }
@@ -378,9 +392,10 @@ impl Round {
             }
             (_, RoundMsg::Request { part }) => {
                 let reply = match self.encoded.get(&part) {
-                    Some((samples, data)) => RoundMsg::Averaged {
+                    Some((samples, loss, data)) => RoundMsg::Averaged {
                         part,
                         samples: *samples,
+                        loss: *loss,
                         data: data.clone(),
                     },
                     None => RoundMsg::Missing { part },
@@ -406,12 +421,21 @@ impl Round {
         let r = self.range(me);
         let mut sum = vec![0.0f64; r.len()];
         let mut samples = 0.0;
-        for (v, s) in self.shares.values() {
+        let (mut loss_sum, mut loss_samples) = (0.0, 0.0);
+        for (v, s, l) in self.shares.values() {
             for (a, b) in sum.iter_mut().zip(v) {
                 *a += *b as f64;
             }
             samples += s;
+            if let Some(l) = l {
+                loss_sum += l;
+                loss_samples += s;
+            }
         }
+        let loss = (loss_samples > 0.0).then(|| loss_sum / loss_samples);
+        // This member's own part decides the loss it reports (parts agree unless a share
+        // went missing).
+        self.loss = loss.or(self.loss);
         let avg: Vec<f32> = if samples > 0.0 {
             sum.iter().map(|v| (v / samples) as f32).collect()
         } else {
@@ -439,12 +463,13 @@ impl Round {
                         RoundMsg::Averaged {
                             part: me as u32,
                             samples,
+                            loss,
                             data: data.clone(),
                         },
                     ));
                 }
             }
-            self.encoded.insert(me as u32, (samples, data));
+            self.encoded.insert(me as u32, (samples, loss, data));
         }
         let _ = now;
     }
@@ -483,6 +508,7 @@ impl Round {
             averaged,
             group: self.group.clone(),
             samples,
+            loss: self.loss,
             left_out,
             zeroed,
         }));

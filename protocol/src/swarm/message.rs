@@ -122,6 +122,8 @@ pub enum RoundMsg {
         part: u32,
         /// Samples behind the member's contribution.
         samples: f64,
+        /// Sum of those samples' losses (last stage only).
+        loss: Option<f64>,
         /// Encoded values (sum over the member's samples).
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
@@ -132,6 +134,8 @@ pub enum RoundMsg {
         part: u32,
         /// Samples averaged over.
         samples: f64,
+        /// Mean loss per sample over them (last stage only).
+        loss: Option<f64>,
         /// Encoded averaged values.
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,

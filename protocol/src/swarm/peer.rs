@@ -360,17 +360,21 @@ pub struct Peer {
     round: u64,
     params_hash: Option<u64>,
     accum_samples: f64,
-    losses: (f64, u32),
+    losses: (f64, f64),
     last_loss: Option<f32>,
     progress: BTreeMap<PeerKey, (u64, f64, f64)>,
     local_step_queued: bool,
     step_pending_round: bool,
     round_group: usize,
     round_samples: f64,
+    round_loss: Option<f64>,
     last_local_samples: f64,
     history: VecDeque<(u64, Vec<f32>, f64)>,
     catching_up: Option<(PeerKey, u64, Duration)>,
     last_advance: Duration,
+    stall_check: Option<Duration>,
+    collecting_since: Duration,
+    starve_check: Option<Duration>,
     early_joins: Vec<(RoundKey, PeerKey)>,
     rtt: f64,
     commit_queued: f64,
@@ -433,17 +437,21 @@ impl Peer {
             round: 0,
             params_hash: None,
             accum_samples: 0.0,
-            losses: (0.0, 0),
+            losses: (0.0, 0.0),
             last_loss: None,
             progress: BTreeMap::new(),
             local_step_queued: false,
             step_pending_round: false,
             round_group: 1,
             round_samples: 0.0,
+            round_loss: None,
             last_local_samples: 0.0,
             history: VecDeque::new(),
             catching_up: None,
             last_advance: now,
+            stall_check: None,
+            collecting_since: now,
+            starve_check: None,
             early_joins: Vec::new(),
             rtt: 0.0,
             commit_queued: 0.0,
@@ -600,9 +608,8 @@ impl Peer {
         t.extend(self.averaging.as_ref().and_then(|r| r.deadline()));
         t.extend(self.move_at);
         t.extend(self.catching_up.map(|c| c.2));
-        if self.is_driver() && self.ledger.in_flight() == 0 {
-            t.push(self.last_advance + self.timing.round_timeout);
-        }
+        t.extend(self.stall_check);
+        t.extend(self.starve_check);
         t.extend(self.hops.values().map(|h| h.expires).min());
         t.into_iter().min()
     }
@@ -795,16 +802,22 @@ impl Peer {
         self.after(now);
     }
 
-    /// A peer went away (its connection closed, or sends to it fail).
+    /// A peer went away (its last connection closed).
     pub fn handle_peer_lost(&mut self, peer: PeerKey, now: Duration) {
         self.peer_gone(peer, now);
         self.after(now);
     }
 
-    fn peer_gone(&mut self, peer: PeerKey, now: Duration) {
-        self.members.remove(peer);
-        self.progress.remove(&peer);
+    /// A message to `peer` could not be delivered. Work routed through it is retried at
+    /// once; whether it is gone is left to its announcements (a send can fail for a live
+    /// peer, e.g. one that just restarted at a new address).
+    pub fn handle_send_failed(&mut self, peer: PeerKey, now: Duration) {
         self.ledger.fail_hop(peer, now);
+        self.reject_routed_through(peer);
+        self.after(now);
+    }
+
+    fn reject_routed_through(&mut self, peer: PeerKey) {
         let rejected: Vec<(u64, PeerKey)> = self
             .hops
             .iter()
@@ -814,6 +827,13 @@ impl Peer {
         for (id, driver) in rejected {
             self.send(driver, Message::Reject { id });
         }
+    }
+
+    fn peer_gone(&mut self, peer: PeerKey, now: Duration) {
+        self.members.remove(peer);
+        self.progress.remove(&peer);
+        self.ledger.fail_hop(peer, now);
+        self.reject_routed_through(peer);
         if let Role::Syncing { source, .. } = &mut self.role {
             if *source == Some(peer) {
                 *source = None;
@@ -892,6 +912,10 @@ impl Peer {
         }
         if let Some(r) = self.averaging.as_mut() {
             r.handle_timeout(now);
+        }
+        if self.starve_check.is_some_and(|t| now >= t) {
+            self.starve_check = None;
+            self.maybe_begin_round(now);
         }
         if let Some((from, _, deadline)) = self.catching_up {
             if now >= deadline {
@@ -1246,6 +1270,12 @@ impl Peer {
         self.held_commits.clear();
         self.catching_up = None;
         self.step_pending_round = false;
+        // Records of the old stage's rounds must not answer for the new one.
+        self.history.clear();
+        self.last_round = None;
+        self.early_joins.clear();
+        self.last_loss = None;
+        self.throughput = 0.0;
         if let Some(r) = self.averaging.take() {
             self.event(Event::RoundFailed {
                 round: r.key().index,
@@ -1255,7 +1285,7 @@ impl Peer {
         self.local_step_queued = false;
         self.progress.clear();
         self.accum_samples = 0.0;
-        self.losses = (0.0, 0);
+        self.losses = (0.0, 0.0);
         let live: Vec<u64> = self.routes.keys().copied().collect();
         for id in live {
             self.ledger.fail(id, now);
@@ -1373,6 +1403,7 @@ impl Peer {
     }
 
     fn pump(&mut self, now: Duration) {
+        self.stall_check = None;
         if self.everyone_finished() {
             if !self.finish_reported {
                 self.finish_reported = true;
@@ -1406,9 +1437,13 @@ impl Peer {
             if self.finished || laggards {
                 // Ahead of a stage (or done): the others have the microbatches they need
                 // (every stage sees every committed microbatch), so wait for them. Only if
-                // nobody advanced for a round's timeout does one microbatch go out at a
-                // time, in case a stage still misses samples (one was dropped there).
-                let stalled = now.saturating_sub(self.last_advance) > self.timing.round_timeout;
+                // nobody advanced for a while do microbatches go out, one at a time and
+                // counted toward the slowest stage's round, in case a stage lost samples
+                // (a replica that re-synced drops what it had collected).
+                let stalled = now.saturating_sub(self.last_advance) >= self.timing.join_window;
+                if !stalled {
+                    self.stall_check = Some(self.last_advance + self.timing.join_window);
+                }
                 if !stalled || self.ledger.in_flight() > 0 {
                     break;
                 }
@@ -1429,8 +1464,8 @@ impl Peer {
             let sample = attempt_id(PeerKey(self.me.0 ^ 0x5A5A_5A5A), microbatch);
             let rows = self.config.microbatch;
             let deadline = now + self.microbatch_deadline();
-            let round = if self.finished {
-                0
+            let round = if self.finished || laggards {
+                self.slowest_round()
             } else {
                 self.collecting_round()
             };
@@ -1728,8 +1763,8 @@ impl Peer {
         self.accum_samples += rows as f64;
         self.rows_done += rows as f64;
         if let Some(l) = loss {
-            self.losses.0 += l as f64;
-            self.losses.1 += 1;
+            self.losses.0 += l as f64 * rows as f64;
+            self.losses.1 += rows as f64;
         }
         self.send_progress();
         self.maybe_begin_round(now);
@@ -1838,8 +1873,25 @@ impl Peer {
                     .filter(|p| p.0 == self.round)
                     .map(|p| p.1)
                     .sum();
-                if self.accum_samples + others >= self.config.global_batch as f64 {
+                let total = self.accum_samples + others;
+                // A stage that lost samples (a replica died with what it had collected)
+                // would wait forever for them: the drivers have moved on, and every sample
+                // they send counts at every stage alike. Once another stage is two rounds
+                // ahead, it closes its round with what it has, and catches up on the
+                // microbatches it holds for the next rounds.
+                let behind = self.members.iter().any(|(_, m)| {
+                    m.announcement.state == MemberState::Serving
+                        && m.announcement.stage != Some(stage)
+                        && m.announcement.round > self.round + 1
+                });
+                let starving = behind
+                    && total > 0.0
+                    && now.saturating_sub(self.collecting_since) >= self.timing.join_window;
+                if total >= self.config.global_batch as f64 || starving {
+                    self.starve_check = None;
                     self.begin_round(replicas, now);
+                } else if behind && total > 0.0 {
+                    self.starve_check = Some(self.collecting_since + self.timing.join_window);
                 }
             }
             SyncMode::DiLoCo { h, .. } => {
@@ -2020,6 +2072,7 @@ impl Peer {
                     let group = result.group.len();
                     self.round_group = group;
                     self.round_samples = result.samples;
+                    self.round_loss = result.loss;
                     self.remember(key.index, &result.averaged, result.samples);
                     let job = match self.config.sync {
                         SyncMode::AllReduce => Job::Step {
@@ -2058,7 +2111,10 @@ impl Peer {
         match self.config.sync {
             SyncMode::AllReduce => {
                 self.accum_samples = 0.0;
-                r.contribute(&values, samples, now);
+                self.collecting_since = now;
+                let loss = (self.losses.1 > 0.0).then_some(self.losses.0);
+                self.losses = (0.0, 0.0);
+                r.contribute(&values, samples, loss, now);
                 self.release_held_commits();
                 self.send_progress();
             }
@@ -2066,7 +2122,7 @@ impl Peer {
                 // Weighted by the samples behind it: contribute the sum.
                 let w = self.samples_since_outer as f32;
                 let scaled: Vec<f32> = values.iter().map(|v| v * w).collect();
-                r.contribute(&scaled, self.samples_since_outer, now);
+                r.contribute(&scaled, self.samples_since_outer, None, now);
             }
         }
     }
@@ -2098,11 +2154,17 @@ impl Peer {
                 self.local_step_queued = false;
             }
         }
-        let loss = (self.losses.1 > 0).then(|| (self.losses.0 / self.losses.1 as f64) as f32);
+        let loss = match self.config.sync {
+            SyncMode::AllReduce => self.round_loss.take().map(|l| l as f32),
+            SyncMode::DiLoCo { .. } if !from_round => {
+                let (sum, n) = std::mem::take(&mut self.losses);
+                (n > 0.0).then(|| (sum / n) as f32)
+            }
+            SyncMode::DiLoCo { .. } => None,
+        };
         if self.is_last_stage() && loss.is_some() {
             self.last_loss = loss;
         }
-        self.losses = (0.0, 0);
         let samples = if group > 1 || from_round || self.config.sync == SyncMode::AllReduce {
             self.round_samples
         } else {
@@ -2135,6 +2197,15 @@ impl Peer {
             self.catch_up(ahead, now);
         }
         self.maybe_begin_round(now);
+    }
+
+    /// The fewest rounds any serving peer (this one included) has completed.
+    fn slowest_round(&self) -> u64 {
+        self.members
+            .iter()
+            .filter(|(_, m)| m.announcement.state == MemberState::Serving)
+            .map(|(_, m)| m.announcement.round)
+            .fold(self.round, u64::min)
     }
 
     /// A replica of this stage that completed more rounds than this one.

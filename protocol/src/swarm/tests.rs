@@ -685,7 +685,7 @@ fn round_with_vanishing(n: usize, kill: Option<(usize, Vanish)>) -> Vec<Option<V
                     }
                     RoundOut::NeedContribution => {
                         if !dead(i, Vanish::BeforeParts, kill) {
-                            rounds[i].contribute(&contribution(i), (i + 1) as f64, now);
+                            rounds[i].contribute(&contribution(i), (i + 1) as f64, None, now);
                         }
                     }
                     RoundOut::Finished(r) => results[i] = Some(r.averaged),
