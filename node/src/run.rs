@@ -693,9 +693,20 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     }
                     .to_bytes();
                     let h = handle.clone();
+                    let known: Vec<PeerId> = ids.values().copied().collect();
                     tokio::spawn(async move {
-                        if let Err(e) = h.publish(bytes).await {
-                            tracing::debug!("gossip: {e:#}");
+                        if let Err(e) = h.publish(bytes.clone()).await {
+                            // No gossip mesh to publish into: before the mesh forms, or when
+                            // a peer restarted under the same identity and its neighbours,
+                            // still holding the old connection, never re-sent their
+                            // subscriptions. Tell the known peers directly instead.
+                            tracing::debug!("gossip: {e:#}; announcing directly");
+                            for pid in known {
+                                let (h, bytes) = (h.clone(), bytes.clone());
+                                tokio::spawn(async move {
+                                    let _ = h.send_frame(pid, FrameKind::Tensor, &bytes).await;
+                                });
+                            }
                         }
                     });
                 }

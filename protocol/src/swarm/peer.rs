@@ -1850,6 +1850,12 @@ impl Peer {
             return;
         }
         let Some(stage) = self.stage else { return };
+        // Behind a replica of this stage: its round is over, so catch up instead of starting
+        // a round nobody else will join.
+        if let Some(ahead) = self.replica_ahead() {
+            self.catch_up(ahead, now);
+            return;
+        }
         // An invitation that came while this replica was still finishing the last round.
         let round = self.round;
         self.early_joins.retain(|(k, _)| k.index >= round);
