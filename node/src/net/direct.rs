@@ -302,11 +302,11 @@ impl DirectEndpoint {
         Ok(DirectStream { send, recv })
     }
 
-    /// Drops the connection to `peer` (a transfer on it failed), so the next one reconnects.
+    /// Forgets the connection to `peer` (a transfer on it failed), so the next transfer
+    /// reconnects. It is not closed: other transfers may still be using it, and it closes by
+    /// itself once they are done.
     pub fn forget(&self, peer: PeerId) {
-        if let Some(c) = self.lock().remove(&peer) {
-            c.close(0u32.into(), b"transfer failed");
-        }
+        self.lock().remove(&peer);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PeerId, quinn::Connection>> {
