@@ -440,6 +440,24 @@ impl Swarm {
     }
 }
 
+/// Runs the swarm to its end: it finishes, drivers retried at least `retries` times, no
+/// sample was applied twice and every stage's replicas agree.
+fn finishes_after_retries(s: &mut Swarm, retries: u64) {
+    s.run_until(Duration::from_secs(60));
+    assert!(s.all_finished());
+    let retried: u64 = s
+        .peers
+        .values()
+        .map(|p| p.0.stats().microbatches_retried)
+        .sum();
+    assert!(retried >= retries, "{retried} retries");
+    s.assert_at_most_once();
+    for stage in 0..3 {
+        let h = s.hashes(stage);
+        assert_eq!(h[0], h[1], "stage {stage}");
+    }
+}
+
 fn three_by_two(sync: SyncMode, max_steps: u64) -> Swarm {
     let mut s = Swarm::new(3, sync, max_steps);
     for k in 1..=6 {
@@ -493,19 +511,7 @@ fn a_lost_reply_is_retried_and_never_applied_twice() {
         }
         Some(Duration::ZERO)
     });
-    s.run_until(Duration::from_secs(60));
-    assert!(s.all_finished());
-    let retried: u64 = s
-        .peers
-        .values()
-        .map(|p| p.0.stats().microbatches_retried)
-        .sum();
-    assert!(retried >= 3, "{retried} retries");
-    s.assert_at_most_once();
-    for stage in 0..3 {
-        let h = s.hashes(stage);
-        assert_eq!(h[0], h[1], "stage {stage}");
-    }
+    finishes_after_retries(&mut s, 3);
 }
 
 #[test]
@@ -523,19 +529,7 @@ fn a_late_reply_races_its_retry_and_only_one_is_applied() {
         }
         Some(Duration::ZERO)
     });
-    s.run_until(Duration::from_secs(60));
-    assert!(s.all_finished());
-    let retried: u64 = s
-        .peers
-        .values()
-        .map(|p| p.0.stats().microbatches_retried)
-        .sum();
-    assert!(retried >= 3, "{retried} retries");
-    s.assert_at_most_once();
-    for stage in 0..3 {
-        let h = s.hashes(stage);
-        assert_eq!(h[0], h[1], "stage {stage}");
-    }
+    finishes_after_retries(&mut s, 3);
 }
 
 #[test]
