@@ -285,9 +285,6 @@ impl Round {
                     },
                 ));
             }
-            if r.is_empty() {
-                self.averaged[j] = Some(Vec::new());
-            }
         }
         for j in 0..self.group.len() {
             if self.range(j).is_empty() {

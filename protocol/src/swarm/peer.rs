@@ -1993,25 +1993,12 @@ impl Peer {
                 }
             }
             RoundMsg::Start { .. } => {
-                let len = self
-                    .costs
-                    .params
-                    .get(key.stage as usize)
-                    .copied()
-                    .unwrap_or(0);
-                let mut r = Round::follow(
-                    key,
-                    self.me,
-                    from,
-                    len,
-                    self.config.codecs.averaging,
-                    self.timing,
-                    now,
-                );
-                // The leader already counted us out if we did not join; drop the join.
-                while r.poll().is_some() {}
-                r.handle(from, msg, now);
-                self.averaging = Some(r);
+                self.follow_round(key, from, now);
+                if let Some(r) = self.averaging.as_mut() {
+                    // The leader already counted us out if we did not join; drop the join.
+                    while r.poll().is_some() {}
+                    r.handle(from, msg, now);
+                }
             }
             RoundMsg::Part { .. } | RoundMsg::Averaged { .. } => {
                 let leader = replicas
@@ -2020,23 +2007,10 @@ impl Peer {
                     .chain([self.me])
                     .min()
                     .unwrap_or(from);
-                let len = self
-                    .costs
-                    .params
-                    .get(key.stage as usize)
-                    .copied()
-                    .unwrap_or(0);
-                let mut r = Round::follow(
-                    key,
-                    self.me,
-                    leader,
-                    len,
-                    self.config.codecs.averaging,
-                    self.timing,
-                    now,
-                );
-                r.handle(from, msg, now);
-                self.averaging = Some(r);
+                self.follow_round(key, leader, now);
+                if let Some(r) = self.averaging.as_mut() {
+                    r.handle(from, msg, now);
+                }
             }
             RoundMsg::Request { part } => self.send(
                 from,
