@@ -217,19 +217,9 @@ impl NodeHandle {
         if let (Some(endpoint), Some(addr)) = (&self.direct, addr) {
             match endpoint.open_stream(peer, addr).await {
                 Ok(mut stream) => {
-                    let result = tensor::write_frame(&mut stream, kind, payload, &self.limits)
+                    return tensor::write_frame(&mut stream, kind, payload, &self.limits)
                         .await
                         .map_err(|source| tensor::SendError::Io { peer, source });
-                    if result.is_err() {
-                        // A dead connection (the peer crashed or restarted): start over, over
-                        // libp2p until the peer's identify names a direct address again.
-                        endpoint.forget(peer);
-                        self.direct_addrs
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .remove(&peer);
-                    }
-                    return result;
                 }
                 Err(e) => {
                     // Not reachable directly (NAT, firewall): libp2p from now on.
