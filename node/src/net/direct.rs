@@ -270,7 +270,9 @@ impl DirectEndpoint {
     pub async fn open_stream(&self, peer: PeerId, addr: SocketAddr) -> io::Result<DirectStream> {
         let existing = self.lock().get(&peer).cloned();
         let conn = match existing {
-            Some(c) if c.close_reason().is_none() => c,
+            // A peer that restarted advertises a new address: the old connection is dead
+            // even if its idle timeout has not noticed yet.
+            Some(c) if c.close_reason().is_none() && c.remote_address() == addr => c,
             _ => {
                 let connecting = self
                     .endpoint
@@ -298,6 +300,13 @@ impl DirectEndpoint {
             .await
             .map_err(|e| io::Error::new(io::ErrorKind::ConnectionReset, e))?;
         Ok(DirectStream { send, recv })
+    }
+
+    /// Forgets the connection to `peer` (a transfer on it failed), so the next transfer
+    /// reconnects. It is not closed: other transfers may still be using it, and it closes by
+    /// itself once they are done.
+    pub fn forget(&self, peer: PeerId) {
+        self.lock().remove(&peer);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PeerId, quinn::Connection>> {

@@ -45,6 +45,20 @@ const IDLE_TIMEOUT_MS: u32 = 10_000;
 const KEEP_ALIVE: Duration = Duration::from_secs(2);
 /// How long libp2p keeps a connection no protocol needs (see `build_swarm`).
 const SWARM_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Attempts at sending a frame that receivers drop unread because they are momentarily full.
+const REFUSED_ATTEMPTS: u32 = 10;
+
+/// A random pause before sending a refused frame again: full jitter over a window that doubles
+/// with each attempt (10 ms, 20 ms, ... up to 1 s), so that a burst of senders refused together
+/// does not come back together.
+fn refused_backoff(attempt: u32) -> Duration {
+    let window_ms = (10u64 << attempt.min(7)).min(1000);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let noise = xxhash_rust::xxh3::xxh3_64(&nanos.to_le_bytes());
+    Duration::from_millis(1 + noise % window_ms)
+}
 
 /// The QUIC transport settings of shoal's direct tensor endpoint (also used by the plain
 /// quinn endpoint `shoal bench net` measures against).
@@ -201,6 +215,10 @@ impl NodeHandle {
 
     /// Sends one frame to `peer` on its own stream; resolves once the peer has it. Uses the
     /// peer's direct endpoint when it has one that answers, the libp2p connection otherwise.
+    ///
+    /// A receiver that is momentarily full drops a new stream unread (its stream caps, or
+    /// libp2p-stream's inbound queue, which holds a single stream between two polls of the
+    /// accepting task): the frame was not delivered, so it is sent again after a pause.
     pub async fn send_frame(
         &self,
         peer: PeerId,
@@ -208,6 +226,25 @@ impl NodeHandle {
         payload: &[u8],
     ) -> Result<(), tensor::SendError> {
         tensor::check_sendable(payload, &self.limits)?;
+        let mut attempt = 1;
+        loop {
+            match self.send_frame_once(peer, kind, payload).await {
+                Err(e) if e.refused_unread() && attempt < REFUSED_ATTEMPTS => {
+                    tracing::debug!(%peer, attempt, "tensor stream refused, sending again: {e}");
+                    tokio::time::sleep(refused_backoff(attempt)).await;
+                    attempt += 1;
+                }
+                result => return result,
+            }
+        }
+    }
+
+    async fn send_frame_once(
+        &self,
+        peer: PeerId,
+        kind: shoal_protocol::FrameKind,
+        payload: &[u8],
+    ) -> Result<(), tensor::SendError> {
         let addr = self
             .direct_addrs
             .lock()
@@ -217,9 +254,19 @@ impl NodeHandle {
         if let (Some(endpoint), Some(addr)) = (&self.direct, addr) {
             match endpoint.open_stream(peer, addr).await {
                 Ok(mut stream) => {
-                    return tensor::write_frame(&mut stream, kind, payload, &self.limits)
+                    let result = tensor::write_frame(&mut stream, kind, payload, &self.limits)
                         .await
                         .map_err(|source| tensor::SendError::Io { peer, source });
+                    if result.as_ref().is_err_and(|e| !e.refused_unread()) {
+                        // A dead connection (the peer crashed or restarted): start over, over
+                        // libp2p until the peer's identify names a direct address again.
+                        endpoint.forget(peer);
+                        self.direct_addrs
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .remove(&peer);
+                    }
+                    return result;
                 }
                 Err(e) => {
                     // Not reachable directly (NAT, firewall): libp2p from now on.
@@ -684,5 +731,98 @@ fn with_peer(addr: Multiaddr, peer: PeerId) -> Multiaddr {
     match addr.iter().last() {
         Some(Protocol::P2p(p)) if p == peer => addr,
         _ => addr.with(Protocol::P2p(peer)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loopback(bootstrap: Vec<Multiaddr>, direct: bool) -> NetConfig {
+        NetConfig {
+            listen: vec!["/ip4/127.0.0.1/udp/0/quic-v1".parse().expect("address")],
+            bootstrap,
+            mdns: false,
+            run: "test".into(),
+            direct,
+            ..NetConfig::default()
+        }
+    }
+
+    async fn until<T>(
+        events: &mut mpsc::Receiver<NodeEvent>,
+        mut pick: impl FnMut(NodeEvent) -> Option<T>,
+    ) -> T {
+        let wait = async {
+            while let Some(e) = events.recv().await {
+                if let Some(t) = pick(e) {
+                    return t;
+                }
+            }
+            panic!("node stopped");
+        };
+        tokio::time::timeout(Duration::from_secs(30), wait)
+            .await
+            .expect("event in time")
+    }
+
+    /// Bursts of streams from several peers at once: libp2p-stream drops an inbound stream
+    /// when the previous one was not taken yet, and the node must send such a frame again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bursts_of_frames_from_many_peers_all_arrive() {
+        const SENDERS: usize = 3;
+        const FRAMES: usize = 24;
+        for direct in [false, true] {
+            let (receiver, mut events, mut inbound) =
+                start(Keypair::generate_ed25519(), loopback(Vec::new(), direct))
+                    .await
+                    .expect("receiver starts");
+            let addr = until(&mut events, |e| match e {
+                NodeEvent::Listening(a) => Some(a),
+                _ => None,
+            })
+            .await;
+            let mut sends = Vec::new();
+            for s in 0..SENDERS {
+                let (sender, mut sender_events, _frames) = start(
+                    Keypair::generate_ed25519(),
+                    loopback(vec![addr.clone()], direct),
+                )
+                .await
+                .expect("sender starts");
+                let target = receiver.peer_id;
+                until(&mut sender_events, |e| {
+                    matches!(e, NodeEvent::Discovered(p) if p == target).then_some(())
+                })
+                .await;
+                for f in 0..FRAMES {
+                    let sender = sender.clone();
+                    sends.push(tokio::spawn(async move {
+                        let payload = vec![(s * FRAMES + f) as u8; 1000 + f];
+                        sender
+                            .send_frame(target, shoal_protocol::FrameKind::Tensor, &payload)
+                            .await
+                    }));
+                }
+            }
+            let collect = tokio::spawn(async move {
+                let mut got = HashSet::new();
+                for _ in 0..SENDERS * FRAMES {
+                    let frame = tokio::time::timeout(Duration::from_secs(30), inbound.recv())
+                        .await
+                        .expect("frame in time")
+                        .expect("receiver running");
+                    got.insert((frame.peer, frame.payload[0], frame.payload.len()));
+                }
+                got
+            });
+            for send in sends {
+                send.await
+                    .expect("send task")
+                    .unwrap_or_else(|e| panic!("direct={direct}: {e}"));
+            }
+            let got = collect.await.expect("collector");
+            assert_eq!(got.len(), SENDERS * FRAMES, "direct={direct}");
+        }
     }
 }

@@ -97,6 +97,17 @@ pub enum SendError {
     TooLarge(usize),
 }
 
+impl SendError {
+    /// Whether the receiver dropped the stream before taking the frame: QUIC's STOP_SENDING or
+    /// RESET_STREAM (quinn reports both as `ConnectionReset`), or the stream's end without an
+    /// acknowledgement (a dropped quinn stream finishes its sending half). A receiver delivers
+    /// a frame only after acknowledging it, so such a frame was not delivered.
+    pub fn refused_unread(&self) -> bool {
+        use std::io::ErrorKind::{ConnectionReset, UnexpectedEof};
+        matches!(self, SendError::Io { source, .. } if matches!(source.kind(), ConnectionReset | UnexpectedEof))
+    }
+}
+
 /// Sends one frame to `peer` on a new libp2p stream and waits for its acknowledgement.
 /// Dropping the future cancels the transfer (the stream is reset).
 pub async fn send_frame(
