@@ -71,6 +71,47 @@ impl StageSpec {
         3.0 * (2.0 * weights as f64 + attention as f64) * seq as f64
     }
 
+    /// Device memory (bytes) to train this stage: parameters, gradients, two AdamW moments and
+    /// a DiLoCo anchor and momentum (6 fp32 copies), plus the activations kept for the backward
+    /// pass of `in_flight` microbatches of `rows` x `seq` tokens (about 16 width-sized values
+    /// and the attention matrix per token and block; the logits on the last stage).
+    pub fn train_memory_bytes(
+        &self,
+        config: &ModelConfig,
+        rows: usize,
+        seq: usize,
+        in_flight: usize,
+    ) -> u64 {
+        let state = 6 * self.param_count(config);
+        let blocks = self.blocks(config).len();
+        let tokens = rows * seq;
+        let mut per_microbatch = blocks * tokens * (16 * config.width + config.heads * seq);
+        if self.is_last() {
+            per_microbatch += 2 * tokens * config.vocab;
+        }
+        4 * (state + in_flight * per_microbatch) as u64
+    }
+
+    /// Checks that `config` can be trained as `stages` pipeline stages on samples of `seq`
+    /// tokens.
+    pub fn check_pipeline(
+        config: &ModelConfig,
+        stages: usize,
+        seq: usize,
+    ) -> Result<(), StageError> {
+        if seq > config.context {
+            return Err(StageError::SeqTooLong {
+                seq,
+                context: config.context,
+            });
+        }
+        StageSpec {
+            index: 0,
+            count: stages,
+        }
+        .validate(config)
+    }
+
     /// Checks that the cut is possible: every stage between the first and the last must own
     /// at least one block (the first and last always own the embeddings or the head).
     pub fn validate(&self, config: &ModelConfig) -> Result<(), StageError> {
@@ -107,6 +148,14 @@ pub enum StageError {
         stages: usize,
         /// Layers of the model.
         layers: usize,
+    },
+    /// Samples longer than the model's context.
+    #[error("sequence length {seq} exceeds the model's context of {context}")]
+    SeqTooLong {
+        /// Requested sequence length.
+        seq: usize,
+        /// The model's context.
+        context: usize,
     },
     /// Input that does not fit this stage (wrong kind, length, token or shape).
     #[error("bad input for stage {stage}: {reason}")]

@@ -8,3 +8,7 @@
 //! This crate must never re-implement a protocol decision (if the simulator needs one, the
 //! state machine makes it), never read the wall clock, and never use randomness that does not
 //! derive from the scenario's seed: the same scenario and seed give the same event trace.
+
+pub mod worker;
+
+pub use worker::{StageWorker, model_of, stage_costs};

@@ -10,16 +10,13 @@ use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
 use serde::{Deserialize, Serialize};
 use shoal_compute::data::TextCorpus;
-use shoal_compute::stage::{MicrobatchShape, StageInput, StageOutput};
-use shoal_compute::{
-    AdamW, Corpus, CpuBackend, LrSchedule, ModelConfig, Preset, StageSpec, replica::StageReplica,
-    replica::write_atomic,
-};
+use shoal_compute::{Corpus, CpuBackend, replica::write_atomic};
+use shoal_netsim::{StageWorker, model_of, stage_costs};
 use shoal_node::net::{self, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
-    Action, ComputeDone, DataSource, Envelope, Event, Input, Job, Message, Output, Peer, PeerKey,
-    Resume, RunConfig, RunId, StageCosts, SyncMode, Timing,
+    Action, ComputeDone, DataSource, Envelope, Event, Job, Message, Peer, PeerKey, Resume,
+    RunConfig, RunId, SyncMode, Timing,
 };
 use shoal_protocol::{FrameKind, TrafficCodecs};
 use std::collections::{BTreeMap, HashMap};
@@ -101,19 +98,8 @@ fn save_checkpoint(dir: &Path, ckpt: &Checkpoint) -> anyhow::Result<()> {
 fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
     let model = args.preset.config();
     let seq = args.seq.unwrap_or(model.context);
-    if seq > model.context {
-        bail!(
-            "--seq {seq} exceeds the {} context of {}",
-            model.context,
-            args.preset
-        );
-    }
-    StageSpec {
-        index: 0,
-        count: args.stages,
-    }
-    .validate(&model)
-    .context("--stages")?;
+    shoal_compute::StageSpec::check_pipeline(&model, args.stages, seq)
+        .with_context(|| format!("--stages {} --seq {seq}", args.stages))?;
     let data = match &args.data {
         None => DataSource::Synthetic,
         Some(path) => {
@@ -153,185 +139,28 @@ fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
     Ok(config)
 }
 
-fn model_of(config: &RunConfig) -> anyhow::Result<ModelConfig> {
-    let preset: Preset = config
-        .preset
-        .parse()
-        .map_err(|e| anyhow::anyhow!("the run uses an unknown preset: {e}"))?;
-    Ok(preset.config())
-}
-
-/// What the protocol needs to know of the model's stages.
-fn stage_costs(config: &RunConfig, model: &ModelConfig) -> StageCosts {
-    let specs: Vec<StageSpec> = (0..config.stages as usize)
-        .map(|index| StageSpec {
-            index,
-            count: config.stages as usize,
-        })
-        .collect();
-    StageCosts {
-        flops_per_sample: specs
-            .iter()
-            .map(|s| s.train_flops_per_sample(model, config.seq as usize))
-            .collect(),
-        params: specs.iter().map(|s| s.param_count(model)).collect(),
-        activation_values: config.seq as usize * model.width,
-    }
-}
-
-/// The compute thread: owns the stage replica and the data; runs one job at a time.
+/// The compute thread's state: the stage worker, and where checkpoints go.
 struct Worker {
+    stage: StageWorker,
     config: RunConfig,
-    model: ModelConfig,
-    backend: Arc<CpuBackend>,
-    corpus: Option<Corpus>,
-    replica: Option<StageReplica<CpuBackend>>,
     checkpoint_dir: Option<PathBuf>,
 }
 
 impl Worker {
-    fn build(&self, stage: u32) -> anyhow::Result<StageReplica<CpuBackend>> {
-        let spec = StageSpec {
-            index: stage as usize,
-            count: self.config.stages as usize,
-        };
-        let schedule = LrSchedule::for_steps(self.config.lr, self.config.max_steps);
-        Ok(StageReplica::new(
-            self.backend.clone(),
-            self.model,
-            spec,
-            self.config.seed,
-            AdamW::default(),
-            schedule,
-        )?)
-    }
-
-    fn replica(&mut self) -> anyhow::Result<&mut StageReplica<CpuBackend>> {
-        self.replica.as_mut().context("no stage yet")
-    }
-
-    fn run(&mut self, job: Job) -> anyhow::Result<ComputeDone> {
-        Ok(match job {
-            Job::Init { stage } => {
-                let r = self.build(stage)?;
-                let hash = r.param_hash()?;
-                self.replica = Some(r);
-                ComputeDone::Ready { hash }
-            }
-            Job::Import { stage, state } => {
-                let mut r = self.build(stage)?;
-                r.import_state(&state)?;
-                let hash = r.param_hash()?;
-                self.replica = Some(r);
-                ComputeDone::Ready { hash }
-            }
-            Job::Forward {
-                id,
-                rows,
-                input,
-                targets,
-            } => {
-                let seq = self.config.seq as usize;
-                let shape = MicrobatchShape {
-                    batch: rows as usize,
-                    seq,
-                };
-                match input {
-                    Input::Sample { index } => {
-                        let corpus = self.corpus.as_ref().context("no data on this peer")?;
-                        let mut inputs = Vec::with_capacity(rows as usize * seq);
-                        let mut targets = Vec::with_capacity(rows as usize * seq);
-                        let mut sample = vec![0u32; seq + 1];
-                        for r in 0..rows as u64 {
-                            corpus.sample(self.config.seed, index.wrapping_add(r), &mut sample);
-                            inputs.extend_from_slice(&sample[..seq]);
-                            targets.extend_from_slice(&sample[1..]);
-                        }
-                        let out = self.replica()?.forward(
-                            id,
-                            shape,
-                            StageInput::Tokens(&inputs),
-                            Some(&targets),
-                        )?;
-                        ComputeDone::Forward {
-                            id,
-                            output: output(out),
-                            targets: Some(targets),
-                        }
-                    }
-                    Input::Activations(acts) => {
-                        let out = self.replica()?.forward(
-                            id,
-                            shape,
-                            StageInput::Activations(&acts),
-                            targets.as_deref(),
-                        )?;
-                        ComputeDone::Forward {
-                            id,
-                            output: output(out),
-                            targets: None,
-                        }
-                    }
-                }
-            }
-            Job::Backward { id, grad, rows } => {
-                let grad = self.replica()?.backward(id, grad.as_deref(), rows as f32)?;
-                ComputeDone::Backward { id, grad }
-            }
-            Job::Commit { id } => {
-                self.replica()?.commit(id);
-                ComputeDone::Done
-            }
-            Job::Abort { id } => {
-                if let Some(r) = self.replica.as_mut() {
-                    r.abort(id);
-                }
-                ComputeDone::Done
-            }
-            Job::TakeGradient => {
-                let (values, samples) = self.replica()?.take_gradient();
-                let values = if values.is_empty() {
-                    vec![0.0; self.replica()?.param_count()]
-                } else {
-                    values
-                };
-                ComputeDone::Gradient { values, samples }
-            }
-            Job::TakePseudoGradient => ComputeDone::Gradient {
-                values: self.replica()?.pseudo_gradient()?,
-                samples: 0.0,
+    fn run(&mut self, job: Job) -> ComputeDone {
+        match job {
+            Job::Checkpoint { step, round } => match self.checkpoint(step, round) {
+                Ok(()) => ComputeDone::Done,
+                Err(e) => ComputeDone::Failed {
+                    error: format!("{e:#}"),
+                },
             },
-            Job::Step { grad } => ComputeDone::Stepped {
-                hash: self.replica()?.apply_step(&grad)?,
-            },
-            Job::LocalStep => {
-                let r = self.replica()?;
-                let (mut g, samples) = r.take_gradient();
-                if g.is_empty() {
-                    g = vec![0.0; r.param_count()];
-                }
-                let scale = 1.0 / samples.max(1.0) as f32;
-                g.iter_mut().for_each(|v| *v *= scale);
-                ComputeDone::Stepped {
-                    hash: r.apply_step(&g)?,
-                }
-            }
-            Job::OuterStep { avg, lr, momentum } => ComputeDone::Stepped {
-                hash: self.replica()?.apply_outer_step(&avg, lr, momentum)?,
-            },
-            Job::Export { to } => ComputeDone::State {
-                to,
-                bytes: self.replica()?.export_state()?,
-            },
-            Job::Checkpoint { step, round } => {
-                self.checkpoint(step, round)?;
-                ComputeDone::Done
-            }
-        })
+            job => self.stage.run(job),
+        }
     }
 
     fn checkpoint(&mut self, step: u64, round: u64) -> anyhow::Result<()> {
-        let (Some(dir), Some(r)) = (self.checkpoint_dir.clone(), self.replica.as_ref()) else {
+        let (Some(dir), Some(r)) = (self.checkpoint_dir.clone(), self.stage.replica()) else {
             return Ok(());
         };
         let ckpt = Checkpoint {
@@ -342,13 +171,6 @@ impl Worker {
             state: r.export_state()?,
         };
         save_checkpoint(&dir, &ckpt)
-    }
-}
-
-fn output(out: StageOutput) -> Output {
-    match out {
-        StageOutput::Activations(a) => Output::Activations(a),
-        StageOutput::Loss(l) => Output::Loss(l),
     }
 }
 
@@ -369,10 +191,7 @@ fn spawn_worker(
             while let Ok(msg) = rx.recv() {
                 match msg {
                     WorkerMsg::Job(job) => {
-                        let result = worker.run(job).unwrap_or_else(|e| ComputeDone::Failed {
-                            error: format!("{e:#}"),
-                        });
-                        if done.send(result).is_err() {
+                        if done.send(worker.run(job)).is_err() {
                             return;
                         }
                     }
@@ -519,8 +338,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             learn_config(&handle, run_id, &boot, &mut frames).await?
         }
     };
-    let model = model_of(&config)?;
-    let costs = stage_costs(&config, &model);
+    let model = model_of(&config).map_err(anyhow::Error::msg)?;
+    let timing = Timing::default();
+    let costs = stage_costs(&config, &model, &timing);
     let corpus = match &config.data {
         DataSource::Synthetic => Some(Corpus::synthetic(config.seed)),
         DataSource::TextFile { name, hash } => match &args.data {
@@ -542,25 +362,22 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     }
     let backend = Arc::new(CpuBackend::new(args.threads)?);
     let mut worker = Worker {
+        stage: StageWorker::new(config.clone(), backend, corpus).map_err(anyhow::Error::msg)?,
         config: config.clone(),
-        model,
-        backend,
-        corpus,
-        replica: None,
         checkpoint_dir: args.checkpoint_dir.clone(),
     };
     let mut resume = None;
     if let Some(c) = checkpoint {
-        let mut r = worker.build(c.stage)?;
-        r.import_state(&c.state)
-            .context("the checkpoint does not fit this run's stage")?;
+        let hash = worker
+            .stage
+            .restore(c.stage, &c.state)
+            .map_err(anyhow::Error::msg)?;
         resume = Some(Resume {
             stage: c.stage,
             step: c.step,
             round: c.round,
-            hash: r.param_hash()?,
+            hash,
         });
-        worker.replica = Some(r);
         println!(
             "resuming stage {} at step {} from {}",
             c.stage,
@@ -577,15 +394,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let start = Instant::now();
     let now = || start.elapsed();
     let seed = config.seed ^ me.0;
-    let mut peer = Peer::new(
-        me,
-        config.clone(),
-        costs,
-        Timing::default(),
-        seed,
-        resume,
-        now(),
-    );
+    let mut peer = Peer::new(me, config.clone(), costs, timing, seed, resume, now());
     peer.set_checkpoint_every(
         args.checkpoint_dir
             .as_ref()

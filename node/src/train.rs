@@ -40,19 +40,8 @@ pub struct TrainReport {
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let config = args.preset.config();
     let seq = args.seq.unwrap_or(config.context);
-    if seq > config.context {
-        bail!(
-            "--seq {seq} exceeds the {} context of {}",
-            config.context,
-            args.preset
-        );
-    }
-    StageSpec {
-        index: 0,
-        count: args.stages,
-    }
-    .validate(&config)
-    .context("--stages")?;
+    StageSpec::check_pipeline(&config, args.stages, seq)
+        .with_context(|| format!("--stages {} --seq {seq}", args.stages))?;
     let corpus = match &args.data {
         Some(path) => {
             let text = TextCorpus::open(path)?;

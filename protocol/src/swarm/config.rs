@@ -186,6 +186,8 @@ pub struct StageCosts {
     pub params: Vec<usize>,
     /// Values in one microbatch's activations at a stage boundary (bounds tensor decoding).
     pub activation_values: usize,
+    /// Device memory each stage needs to train (state, optimizer and activations in flight).
+    pub memory: Vec<u64>,
 }
 
 impl StageCosts {

@@ -4,7 +4,7 @@
 //! an attempt is committed exactly once.
 
 use super::PeerKey;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// One microbatch as the driver tracks it.
@@ -58,7 +58,7 @@ pub struct LedgerStats {
 #[derive(Clone, Debug, Default)]
 pub struct Ledger {
     entries: BTreeMap<u64, Entry>,
-    attempt_of: HashMap<u64, u64>,
+    attempt_of: BTreeMap<u64, u64>,
     /// Counters.
     pub stats: LedgerStats,
 }

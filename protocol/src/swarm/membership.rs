@@ -117,20 +117,39 @@ impl Membership {
         &self,
         stage: u32,
         avoid: Option<PeerKey>,
+        routing: Routing,
         rng: &mut SeededRng,
     ) -> Option<PeerKey> {
         let mut candidates = self.replicas(stage);
         if candidates.len() > 1 {
             candidates.retain(|k| Some(*k) != avoid);
         }
-        let weights = route_weights(
-            candidates
-                .iter()
-                .filter_map(|k| self.members.get(k))
-                .map(|m| &m.announcement),
-        );
+        let weights = match routing {
+            Routing::Weighted => route_weights(
+                candidates
+                    .iter()
+                    .filter_map(|k| self.members.get(k))
+                    .map(|m| &m.announcement),
+            ),
+            Routing::Uniform => vec![1.0; candidates.len()],
+        };
         rng.weighted(&weights).map(|i| candidates[i])
     }
+}
+
+/// How a sender picks the next stage's replica.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Routing {
+    /// At random, weighted by throughput / (1 + queue): the protocol's policy.
+    #[default]
+    Weighted,
+    /// Uniformly at random: the baseline the weighted policy is measured against.
+    Uniform,
+}
+
+/// Whether a peer with `memory` bytes (0: not limited) can hold a stage needing `need`.
+pub fn fits(memory: u64, need: u64) -> bool {
+    memory == 0 || need <= memory
 }
 
 /// Routing weights of a list of candidate announcements: throughput / (1 + queue). Peers not
@@ -166,6 +185,8 @@ pub struct Placement {
     pub stage: u32,
     /// Samples per second at that stage (0 if not measured).
     pub throughput: f64,
+    /// Device memory it can give a stage (0: not limited).
+    pub memory: u64,
 }
 
 /// Per-stage throughput (samples/s summed over replicas) and replica counts.
@@ -180,15 +201,17 @@ pub fn stage_totals(placements: &[Placement], stages: u32) -> Vec<(f64, usize)> 
     totals
 }
 
-/// The stage a joiner takes: one with no replica first, then the one with the least
-/// throughput, then the fewest replicas, then the lowest index.
-pub fn choose_stage(placements: &[Placement], stages: u32) -> u32 {
-    let totals = stage_totals(placements, stages);
-    let mut best = 0usize;
-    for (i, t) in totals.iter().enumerate() {
-        let b = totals[best];
+/// The stage a joiner with `memory` bytes takes, among those it can hold (`need`: bytes per
+/// stage): one with no replica first, then the one with the least throughput, then the fewest
+/// replicas, then the lowest index. None if no stage fits.
+pub fn choose_stage(placements: &[Placement], need: &[u64], memory: u64) -> Option<u32> {
+    let totals = stage_totals(placements, need.len() as u32);
+    let fitting: Vec<usize> = (0..need.len()).filter(|s| fits(memory, need[*s])).collect();
+    let mut best = *fitting.first()?;
+    for &i in &fitting {
+        let (t, b) = (totals[i], totals[best]);
         let key = |t: (f64, usize)| (t.1 > 0, t.0, t.1);
-        let (ka, kb) = (key(*t), key(b));
+        let (ka, kb) = (key(t), key(b));
         let better = match (ka.0, kb.0) {
             (false, true) => true,
             (true, false) => false,
@@ -198,7 +221,7 @@ pub fn choose_stage(placements: &[Placement], stages: u32) -> u32 {
             best = i;
         }
     }
-    best as u32
+    Some(best as u32)
 }
 
 /// A proposed move of one peer to another stage.
@@ -219,8 +242,14 @@ pub struct Move {
 /// The move that most raises the slowest stage's throughput, if one raises it by more than
 /// `gain` (hysteresis: small improvements are not worth a state transfer and would make
 /// peers flap between stages). A peer's throughput at another stage is estimated by scaling
-/// with the stages' FLOPs per sample. Only measured peers move; no move empties a stage.
-pub fn plan_move(placements: &[Placement], flops_per_sample: &[f64], gain: f64) -> Option<Move> {
+/// with the stages' FLOPs per sample. Only measured peers move; no move empties a stage; no
+/// peer moves to a stage whose `need` of memory it cannot hold.
+pub fn plan_move(
+    placements: &[Placement],
+    flops_per_sample: &[f64],
+    need: &[u64],
+    gain: f64,
+) -> Option<Move> {
     let stages = flops_per_sample.len() as u32;
     let totals = stage_totals(placements, stages);
     if totals.iter().any(|t| t.1 == 0) || placements.iter().any(|p| p.throughput <= 0.0) {
@@ -232,7 +261,7 @@ pub fn plan_move(placements: &[Placement], flops_per_sample: &[f64], gain: f64) 
     let mut best: Option<Move> = None;
     for p in placements {
         for to in 0..stages {
-            if to == p.stage {
+            if to == p.stage || !need.get(to as usize).is_some_and(|n| fits(p.memory, *n)) {
                 continue;
             }
             let mut t = base.clone();
@@ -276,6 +305,7 @@ mod tests {
             params_hash: None,
             finished: false,
             loss: None,
+            memory: 0,
         }
     }
 
@@ -289,7 +319,7 @@ mod tests {
         let mut rng = SeededRng::new(7);
         let mut counts = [0u32; 3];
         for _ in 0..20_000 {
-            let k = m.route(1, None, &mut rng).unwrap();
+            let k = m.route(1, None, Routing::Weighted, &mut rng).unwrap();
             counts[k.0 as usize - 1] += 1;
         }
         assert_eq!(counts[2], 0, "never routes to another stage");
@@ -304,13 +334,32 @@ mod tests {
         assert!((w[0] - w[1]).abs() < 1e-9);
         // Retries avoid the previous replica when another exists.
         for _ in 0..100 {
-            assert_eq!(m.route(1, Some(PeerKey(1)), &mut rng), Some(PeerKey(2)));
+            assert_eq!(
+                m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut rng),
+                Some(PeerKey(2))
+            );
         }
         // A gone peer gets nothing.
         m.remove(PeerKey(2));
-        assert_eq!(m.route(1, Some(PeerKey(1)), &mut rng), Some(PeerKey(1)));
+        assert_eq!(
+            m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut rng),
+            Some(PeerKey(1))
+        );
         m.remove(PeerKey(1));
-        assert_eq!(m.route(1, None, &mut rng), None);
+        assert_eq!(m.route(1, None, Routing::Weighted, &mut rng), None);
+    }
+
+    #[test]
+    fn uniform_routing_ignores_throughput() {
+        let mut m = Membership::default();
+        m.update(PeerKey(1), announcement(1, 30.0, 0), Duration::ZERO);
+        m.update(PeerKey(2), announcement(1, 10.0, 0), Duration::ZERO);
+        let mut rng = SeededRng::new(7);
+        let fast = (0..20_000)
+            .filter(|_| m.route(1, None, Routing::Uniform, &mut rng) == Some(PeerKey(1)))
+            .count();
+        let share = fast as f64 / 20_000.0;
+        assert!((share - 0.5).abs() < 0.02, "uniform: {share}");
     }
 
     #[test]
@@ -329,17 +378,42 @@ mod tests {
             peer: PeerKey(peer),
             stage,
             throughput,
+            memory: 0,
         };
-        assert_eq!(choose_stage(&[], 3), 0);
-        assert_eq!(choose_stage(&[p(1, 0, 0.0)], 3), 1);
+        let need = [10, 10, 30];
+        assert_eq!(choose_stage(&[], &need, 0), Some(0));
+        assert_eq!(choose_stage(&[p(1, 0, 0.0)], &need, 0), Some(1));
         assert_eq!(
-            choose_stage(&[p(1, 0, 0.0), p(2, 1, 0.0), p(3, 2, 0.0)], 3),
-            0
+            choose_stage(&[p(1, 0, 0.0), p(2, 1, 0.0), p(3, 2, 0.0)], &need, 0),
+            Some(0)
         );
+        let slow_middle = [p(1, 0, 10.0), p(2, 1, 4.0), p(3, 2, 8.0)];
+        assert_eq!(choose_stage(&slow_middle, &need, 0), Some(1));
+        // Memory: a stage that does not fit is never taken, even if it is empty.
+        assert_eq!(choose_stage(&[p(1, 0, 0.0)], &need, 20), Some(1));
         assert_eq!(
-            choose_stage(&[p(1, 0, 10.0), p(2, 1, 4.0), p(3, 2, 8.0)], 3),
-            1
+            choose_stage(&[p(1, 0, 0.0), p(2, 1, 0.0)], &need, 20),
+            Some(0)
         );
+        assert_eq!(choose_stage(&slow_middle, &[10, 40, 30], 35), Some(2));
+        assert_eq!(choose_stage(&[], &need, 5), None);
+    }
+
+    #[test]
+    fn no_move_to_a_stage_that_does_not_fit() {
+        let p = |peer, stage, throughput, memory| Placement {
+            peer: PeerKey(peer),
+            stage,
+            throughput,
+            memory,
+        };
+        let flops = [1.0, 1.0];
+        // Stage 1 is starved; peer 2 could fix it but cannot hold it, peer 1 can.
+        let placements = [p(1, 0, 10.0, 0), p(2, 0, 10.0, 5), p(3, 1, 1.0, 0)];
+        let m = plan_move(&placements, &flops, &[4, 8], 0.1).unwrap();
+        assert_eq!((m.peer, m.to), (PeerKey(1), 1));
+        let small = [p(1, 0, 10.0, 5), p(2, 0, 10.0, 5), p(3, 1, 1.0, 0)];
+        assert_eq!(plan_move(&small, &flops, &[4, 8], 0.1), None);
     }
 
     /// Applies planned moves until none is proposed: each move must raise the slowest stage
@@ -359,11 +433,12 @@ mod tests {
                         peer: PeerKey(i as u64),
                         stage: stage[i],
                         throughput: speed[i] / flops[stage[i] as usize],
+                        memory: 0,
                     })
                     .collect()
             };
             let mut seen = vec![stage.clone()];
-            while let Some(m) = plan_move(&placements(&stage), &flops, 0.1) {
+            while let Some(m) = plan_move(&placements(&stage), &flops, &[0; 3], 0.1) {
                 assert!(m.after > m.before * 1.1, "trial {trial}: a move must help");
                 stage[m.peer.0 as usize] = m.to;
                 assert!(!seen.contains(&stage), "trial {trial}: assignment repeated");

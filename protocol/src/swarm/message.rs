@@ -60,6 +60,9 @@ pub struct Announcement {
     pub finished: bool,
     /// Mean loss of its last step (last stage only).
     pub loss: Option<f32>,
+    /// Bytes of device memory it can give a stage (0: not limited), so that no peer is asked
+    /// to move to a stage it cannot hold.
+    pub memory: u64,
 }
 
 /// One microbatch's activations going forward.

@@ -4,14 +4,14 @@
 use super::averaging::{Round, RoundOut};
 use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
 use super::ledger::{Arrival, Expiry, Ledger};
-use super::membership::{Membership, Placement, choose_stage, plan_move};
+use super::membership::{Membership, Placement, Routing, choose_stage, plan_move};
 use super::message::{
     Announcement, Backward, Forward, MemberState, Message, RoundKey, RoundMsg, StateChunk,
 };
 use super::transfer::{Download, chunks};
 use super::{PeerKey, SeededRng};
 use crate::{Decoder, Encoder};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 /// The input of a forward job.
@@ -344,6 +344,8 @@ pub struct Peer {
     costs: StageCosts,
     timing: Timing,
     checkpoint_every: Option<u64>,
+    memory: u64,
+    routing: Routing,
     rng: SeededRng,
     role: Role,
     stage: Option<u32>,
@@ -353,9 +355,9 @@ pub struct Peer {
     ledger: Ledger,
     next_microbatch: u64,
     next_attempt: u64,
-    routes: HashMap<u64, Vec<PeerKey>>,
-    hops: HashMap<u64, Hop>,
-    committing: HashMap<u64, (u64, u32, Option<f32>)>,
+    routes: BTreeMap<u64, Vec<PeerKey>>,
+    hops: BTreeMap<u64, Hop>,
+    committing: BTreeMap<u64, (u64, u32, Option<f32>)>,
     step: u64,
     round: u64,
     params_hash: Option<u64>,
@@ -419,6 +421,8 @@ impl Peer {
             costs,
             timing,
             checkpoint_every: None,
+            memory: 0,
+            routing: Routing::default(),
             rng: SeededRng::new(seed ^ me.0.rotate_left(17)),
             role: Role::Choosing {
                 until: now + timing.choose_after,
@@ -430,9 +434,9 @@ impl Peer {
             ledger: Ledger::default(),
             next_microbatch: 0,
             next_attempt: 0,
-            routes: HashMap::new(),
-            hops: HashMap::new(),
-            committing: HashMap::new(),
+            routes: BTreeMap::new(),
+            hops: BTreeMap::new(),
+            committing: BTreeMap::new(),
             step: 0,
             round: 0,
             params_hash: None,
@@ -495,6 +499,18 @@ impl Peer {
     /// Write a checkpoint every `steps` steps.
     pub fn set_checkpoint_every(&mut self, steps: Option<u64>) {
         self.checkpoint_every = steps.filter(|s| *s > 0);
+    }
+
+    /// The device memory this peer can give a stage (0: not limited): it only takes, and is
+    /// only asked to move to, stages that fit.
+    pub fn set_memory(&mut self, bytes: u64) {
+        self.memory = bytes;
+    }
+
+    /// How this peer routes microbatches to the next stage (weighted unless measuring the
+    /// uniform baseline).
+    pub fn set_routing(&mut self, routing: Routing) {
+        self.routing = routing;
     }
 
     /// This peer's key.
@@ -671,6 +687,7 @@ impl Peer {
             params_hash: self.params_hash,
             finished: self.finished,
             loss: self.last_loss,
+            memory: self.memory,
         }
     }
 
@@ -1144,6 +1161,7 @@ impl Peer {
                     peer: *k,
                     stage,
                     throughput: m.announcement.throughput as f64,
+                    memory: m.announcement.memory,
                 })
             })
             .collect();
@@ -1153,6 +1171,7 @@ impl Peer {
                     peer: self.me,
                     stage,
                     throughput: self.throughput,
+                    memory: self.memory,
                 });
             }
         }
@@ -1189,8 +1208,19 @@ impl Peer {
     }
 
     fn choose(&mut self, now: Duration) {
-        let stage = choose_stage(&self.placements(false), self.config.stages);
-        self.sync_from_someone(stage, now);
+        match choose_stage(&self.placements(false), &self.costs.memory, self.memory) {
+            Some(stage) => self.sync_from_someone(stage, now),
+            None => {
+                // No stage fits this device: tell the owner, and look again now and then.
+                self.event(Event::Warning(format!(
+                    "no stage fits this device's {} bytes of memory",
+                    self.memory
+                )));
+                self.role = Role::Choosing {
+                    until: now + self.timing.rebalance_every,
+                };
+            }
+        }
     }
 
     /// Starts downloading `stage`'s state from one of its replicas, or builds it fresh if it
@@ -1365,6 +1395,7 @@ impl Peer {
         let Some(m) = plan_move(
             &self.placements(true),
             &self.costs.flops_per_sample,
+            &self.costs.memory,
             self.timing.rebalance_gain,
         ) else {
             return;
@@ -1619,7 +1650,10 @@ impl Peer {
                     .ledger
                     .entry_of(id)
                     .and_then(|e| e.live.iter().rev().nth(1).and_then(|l| l.1));
-                let Some(next) = self.members.route(next_stage, avoid, &mut self.rng) else {
+                let Some(next) = self
+                    .members
+                    .route(next_stage, avoid, self.routing, &mut self.rng)
+                else {
                     self.enqueue(Job::Abort { id });
                     if own.is_some() {
                         self.ledger.fail(id, now);

@@ -36,6 +36,7 @@ fn costs(stages: u32) -> StageCosts {
         flops_per_sample: vec![1.0; stages as usize],
         params: vec![PARAMS; stages as usize],
         activation_values: ACTS_PER_ROW,
+        memory: vec![0; stages as usize],
     }
 }
 

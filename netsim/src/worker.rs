@@ -1,0 +1,251 @@
+//! The compute side of a peer: runs the protocol's compute jobs on a stage replica.
+//!
+//! The node runs it on a thread with a real clock; the simulator runs it inline and takes the
+//! job's duration from a device profile. Both execute the very same jobs on the very same
+//! replica code, so a simulated loss curve is a real one.
+
+use shoal_compute::replica::StageReplica;
+use shoal_compute::stage::{MicrobatchShape, StageInput, StageOutput};
+use shoal_compute::{AdamW, Corpus, CpuBackend, LrSchedule, ModelConfig, Preset, StageSpec};
+use shoal_protocol::swarm::{ComputeDone, Input, Job, Output, RunConfig, StageCosts, Timing};
+use std::sync::Arc;
+
+/// The model a run trains.
+pub fn model_of(config: &RunConfig) -> Result<ModelConfig, String> {
+    let preset: Preset = config
+        .preset
+        .parse()
+        .map_err(|e| format!("the run uses an unknown preset: {e}"))?;
+    Ok(preset.config())
+}
+
+fn specs(config: &RunConfig) -> Vec<StageSpec> {
+    (0..config.stages as usize)
+        .map(|index| StageSpec {
+            index,
+            count: config.stages as usize,
+        })
+        .collect()
+}
+
+/// What the protocol needs to know of the model's stages.
+pub fn stage_costs(config: &RunConfig, model: &ModelConfig, timing: &Timing) -> StageCosts {
+    let seq = config.seq as usize;
+    // A replica holds at most one pipeline's worth of microbatches awaiting their backward
+    // pass from each driver it serves; budget for the drivers' window over all stages.
+    let in_flight = (timing.in_flight_per_stage * config.stages) as usize;
+    StageCosts {
+        flops_per_sample: specs(config)
+            .iter()
+            .map(|s| s.train_flops_per_sample(model, seq))
+            .collect(),
+        params: specs(config).iter().map(|s| s.param_count(model)).collect(),
+        activation_values: seq * model.width,
+        memory: specs(config)
+            .iter()
+            .map(|s| s.train_memory_bytes(model, config.microbatch as usize, seq, in_flight))
+            .collect(),
+    }
+}
+
+/// Runs one peer's compute jobs. Checkpoint jobs are the owner's (they write files) and are
+/// answered `Done` here.
+pub struct StageWorker {
+    config: RunConfig,
+    model: ModelConfig,
+    backend: Arc<CpuBackend>,
+    corpus: Option<Corpus>,
+    replica: Option<StageReplica<CpuBackend>>,
+}
+
+impl StageWorker {
+    /// A worker for `config` on `backend`; `corpus` is the run's data (None: this peer cannot
+    /// drive microbatches).
+    pub fn new(
+        config: RunConfig,
+        backend: Arc<CpuBackend>,
+        corpus: Option<Corpus>,
+    ) -> Result<Self, String> {
+        let model = model_of(&config)?;
+        Ok(StageWorker {
+            config,
+            model,
+            backend,
+            corpus,
+            replica: None,
+        })
+    }
+
+    /// A fresh replica of `stage`, initialised from the run's seed.
+    pub fn build(&self, stage: u32) -> Result<StageReplica<CpuBackend>, String> {
+        let spec = StageSpec {
+            index: stage as usize,
+            count: self.config.stages as usize,
+        };
+        let schedule = LrSchedule::for_steps(self.config.lr, self.config.max_steps);
+        StageReplica::new(
+            self.backend.clone(),
+            self.model,
+            spec,
+            self.config.seed,
+            AdamW::default(),
+            schedule,
+        )
+        .map_err(err)
+    }
+
+    /// Installs `stage` restored from an exported state; returns its parameter hash.
+    pub fn restore(&mut self, stage: u32, state: &[u8]) -> Result<u64, String> {
+        let mut r = self.build(stage)?;
+        r.import_state(state)
+            .map_err(|e| format!("the saved state does not fit this run's stage: {e}"))?;
+        let hash = r.param_hash().map_err(err)?;
+        self.replica = Some(r);
+        Ok(hash)
+    }
+
+    /// The replica served now, if any.
+    pub fn replica(&self) -> Option<&StageReplica<CpuBackend>> {
+        self.replica.as_ref()
+    }
+
+    fn serving(&mut self) -> Result<&mut StageReplica<CpuBackend>, String> {
+        self.replica.as_mut().ok_or_else(|| "no stage yet".into())
+    }
+
+    /// Runs `job`; a failure is reported to the protocol as `ComputeDone::Failed`.
+    pub fn run(&mut self, job: Job) -> ComputeDone {
+        self.try_run(job)
+            .unwrap_or_else(|error| ComputeDone::Failed { error })
+    }
+
+    fn try_run(&mut self, job: Job) -> Result<ComputeDone, String> {
+        Ok(match job {
+            Job::Init { stage } => {
+                let r = self.build(stage)?;
+                let hash = r.param_hash().map_err(err)?;
+                self.replica = Some(r);
+                ComputeDone::Ready { hash }
+            }
+            Job::Import { stage, state } => ComputeDone::Ready {
+                hash: self.restore(stage, &state)?,
+            },
+            Job::Forward {
+                id,
+                rows,
+                input,
+                targets,
+            } => {
+                let seq = self.config.seq as usize;
+                let shape = MicrobatchShape {
+                    batch: rows as usize,
+                    seq,
+                };
+                match input {
+                    Input::Sample { index } => {
+                        let corpus = self.corpus.as_ref().ok_or("no data on this peer")?;
+                        let mut inputs = Vec::with_capacity(rows as usize * seq);
+                        let mut targets = Vec::with_capacity(rows as usize * seq);
+                        let mut sample = vec![0u32; seq + 1];
+                        for r in 0..rows as u64 {
+                            corpus.sample(self.config.seed, index.wrapping_add(r), &mut sample);
+                            inputs.extend_from_slice(&sample[..seq]);
+                            targets.extend_from_slice(&sample[1..]);
+                        }
+                        let out = self
+                            .serving()?
+                            .forward(id, shape, StageInput::Tokens(&inputs), Some(&targets))
+                            .map_err(err)?;
+                        ComputeDone::Forward {
+                            id,
+                            output: output(out),
+                            targets: Some(targets),
+                        }
+                    }
+                    Input::Activations(acts) => {
+                        let out = self
+                            .serving()?
+                            .forward(
+                                id,
+                                shape,
+                                StageInput::Activations(&acts),
+                                targets.as_deref(),
+                            )
+                            .map_err(err)?;
+                        ComputeDone::Forward {
+                            id,
+                            output: output(out),
+                            targets: None,
+                        }
+                    }
+                }
+            }
+            Job::Backward { id, grad, rows } => {
+                let grad = self
+                    .serving()?
+                    .backward(id, grad.as_deref(), rows as f32)
+                    .map_err(err)?;
+                ComputeDone::Backward { id, grad }
+            }
+            Job::Commit { id } => {
+                self.serving()?.commit(id);
+                ComputeDone::Done
+            }
+            Job::Abort { id } => {
+                if let Some(r) = self.replica.as_mut() {
+                    r.abort(id);
+                }
+                ComputeDone::Done
+            }
+            Job::TakeGradient => {
+                let r = self.serving()?;
+                let (mut values, samples) = r.take_gradient();
+                if values.is_empty() {
+                    values = vec![0.0; r.param_count()];
+                }
+                ComputeDone::Gradient { values, samples }
+            }
+            Job::TakePseudoGradient => ComputeDone::Gradient {
+                values: self.serving()?.pseudo_gradient().map_err(err)?,
+                samples: 0.0,
+            },
+            Job::Step { grad } => ComputeDone::Stepped {
+                hash: self.serving()?.apply_step(&grad).map_err(err)?,
+            },
+            Job::LocalStep => {
+                let r = self.serving()?;
+                let (mut g, samples) = r.take_gradient();
+                if g.is_empty() {
+                    g = vec![0.0; r.param_count()];
+                }
+                let scale = 1.0 / samples.max(1.0) as f32;
+                g.iter_mut().for_each(|v| *v *= scale);
+                ComputeDone::Stepped {
+                    hash: r.apply_step(&g).map_err(err)?,
+                }
+            }
+            Job::OuterStep { avg, lr, momentum } => ComputeDone::Stepped {
+                hash: self
+                    .serving()?
+                    .apply_outer_step(&avg, lr, momentum)
+                    .map_err(err)?,
+            },
+            Job::Export { to } => ComputeDone::State {
+                to,
+                bytes: self.serving()?.export_state().map_err(err)?,
+            },
+            Job::Checkpoint { .. } => ComputeDone::Done,
+        })
+    }
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+fn output(out: StageOutput) -> Output {
+    match out {
+        StageOutput::Activations(a) => Output::Activations(a),
+        StageOutput::Loss(l) => Output::Loss(l),
+    }
+}
