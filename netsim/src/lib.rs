@@ -9,6 +9,16 @@
 //! state machine makes it), never read the wall clock, and never use randomness that does not
 //! derive from the scenario's seed: the same scenario and seed give the same event trace.
 
+pub mod device;
+pub mod link;
+pub mod report;
+pub mod scenario;
+pub mod sim;
 pub mod worker;
 
+pub use device::DeviceProfile;
+pub use link::LinkProfile;
+pub use report::Report;
+pub use scenario::{Scenario, Setup};
+pub use sim::{Progress, simulate};
 pub use worker::{StageWorker, model_of, stage_costs};

@@ -23,6 +23,23 @@ pub enum Command {
     /// Measure performance.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Simulate a swarm on this machine from a scenario file, reproducibly from a seed.
+    Netsim(NetsimArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct NetsimArgs {
+    /// The scenario (TOML), e.g. netsim/scenarios/demo.toml.
+    pub scenario: PathBuf,
+    /// Seed of every random choice of the simulation.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Write the report as JSON to this file.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Write the loss and throughput curves as an SVG image to this file.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

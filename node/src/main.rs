@@ -7,6 +7,7 @@
 mod bench;
 mod bench_net;
 mod cli;
+mod netsim;
 mod node;
 mod report;
 mod run;
@@ -48,6 +49,7 @@ fn main() -> ExitCode {
         cli::Command::Bench(cli::BenchCommand::Compute(a)) => bench::compute(a),
         cli::Command::Bench(cli::BenchCommand::Codec(a)) => bench::codec(a),
         cli::Command::Bench(cli::BenchCommand::Net(a)) => bench_net::net(a),
+        cli::Command::Netsim(a) => netsim::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -69,6 +69,11 @@ impl Ledger {
         self.entries.len()
     }
 
+    /// Microbatches in flight that were started for round `round` or a later one.
+    pub fn in_flight_from(&self, round: u64) -> usize {
+        self.entries.values().filter(|e| e.round >= round).count()
+    }
+
     /// Forgets every microbatch in flight (the driver's stage state is being replaced, so
     /// none can complete); they count as dropped.
     pub fn abandon(&mut self) {

@@ -1207,8 +1207,46 @@ impl Peer {
         out
     }
 
+    /// Takes a stage. Peers that start together would all see the same bottleneck and pick
+    /// it together, so every peer choosing now plays out the same assignment of all choosers
+    /// in key order (each counted at the throughput its stage's replicas measure) and takes
+    /// its own slot.
     fn choose(&mut self, now: Duration) {
-        match choose_stage(&self.placements(false), &self.costs.memory, self.memory) {
+        let mut placements = self.placements(false);
+        let mut choosers: Vec<(PeerKey, u64)> = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.announcement.state == MemberState::Choosing)
+            .map(|(k, m)| (*k, m.announcement.memory))
+            .collect();
+        choosers.push((self.me, self.memory));
+        choosers.sort_unstable();
+        let mut mine = None;
+        for (peer, memory) in choosers {
+            let stage = choose_stage(&placements, &self.costs.memory, memory);
+            if peer == self.me {
+                mine = stage;
+                break;
+            }
+            if let Some(stage) = stage {
+                let measured = |only: Option<u32>| {
+                    let t: Vec<f64> = placements
+                        .iter()
+                        .filter(|p| p.throughput > 0.0 && only.is_none_or(|s| p.stage == s))
+                        .map(|p| p.throughput)
+                        .collect();
+                    (!t.is_empty()).then(|| t.iter().sum::<f64>() / t.len() as f64)
+                };
+                let throughput = measured(Some(stage)).or(measured(None)).unwrap_or(0.0);
+                placements.push(Placement {
+                    peer,
+                    stage,
+                    throughput,
+                    memory,
+                });
+            }
+        }
+        match mine {
             Some(stage) => self.sync_from_someone(stage, now),
             None => {
                 // No stage fits this device: tell the owner, and look again now and then.
@@ -1479,11 +1517,25 @@ impl Peer {
                     break;
                 }
             } else {
+                let mine = self.accum_samples
+                    + (self.ledger.in_flight_from(self.collecting_round())
+                        * self.config.microbatch as usize) as f64
+                    + self.commit_queued;
                 let claimed = match self.config.sync {
                     SyncMode::AllReduce => self.claimed_samples(),
-                    SyncMode::DiLoCo { .. } => self.accum_samples + self.in_flight_samples(),
+                    SyncMode::DiLoCo { .. } => mine,
                 };
-                if claimed >= quota || self.local_step_queued {
+                // Drivers learn of each other's claims a round trip late: each starts only
+                // its share of the step's microbatches, unless the step has not advanced
+                // for a while (a driver is gone or slow) and the batch is still short.
+                let stalled = now.saturating_sub(self.last_advance) >= self.timing.join_window;
+                if claimed >= quota || (mine >= self.driver_share() && !stalled) {
+                    if !stalled {
+                        self.stall_check = Some(self.last_advance + self.timing.join_window);
+                    }
+                    break;
+                }
+                if self.local_step_queued {
                     break;
                 }
             }
@@ -1837,6 +1889,23 @@ impl Peer {
 
     /// Samples committed or in flight toward the round being collected, over the stage's
     /// replicas as known from their progress messages.
+    /// This driver's share of a step's samples: the step's microbatches dealt out over the
+    /// drivers (the first stage's replicas) in key order, so that together they start the
+    /// global batch and no more.
+    fn driver_share(&self) -> f64 {
+        let mut drivers = self.members.replicas(0);
+        if !drivers.contains(&self.me) {
+            drivers.push(self.me);
+        }
+        drivers.sort_unstable();
+        let n = drivers.len() as u64;
+        let position = drivers.iter().position(|k| *k == self.me).unwrap_or(0) as u64;
+        let rows = self.config.microbatch.max(1) as u64;
+        let microbatches = (self.config.global_batch as u64).div_ceil(rows);
+        let mine = microbatches / n + u64::from(position < microbatches % n);
+        (mine * rows) as f64
+    }
+
     fn claimed_samples(&self) -> f64 {
         let round = self.collecting_round();
         let others: f64 = self

@@ -1,0 +1,331 @@
+//! What a simulation reports: JSON, a summary table, and the curves as an SVG image.
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+/// How long the swarm took to get over a disruption.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Recovery {
+    /// What happened (`crash of 4`, `partition of 2`, ...).
+    pub cause: String,
+    /// When, simulated seconds.
+    pub at_s: f64,
+    /// Seconds until every live replica had completed a step that was not complete at the
+    /// disruption (None: never, within the simulation).
+    pub seconds: Option<f64>,
+}
+
+/// The result of a simulation. Everything in it follows from the scenario and the seed.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Report {
+    /// The seed.
+    pub seed: u64,
+    /// Peers that took part (joiners included).
+    pub peers: usize,
+    /// Simulated seconds until the last step (or until the simulation gave up).
+    pub sim_seconds: f64,
+    /// Tokens per second if every peer's device did nothing but useful training all the time
+    /// it was present: the sum of the peers' FLOP/s (weighted by presence) over the model's
+    /// training FLOPs per token.
+    pub ideal_tokens_per_s: f64,
+    /// Tokens trained (committed at the last stage) per simulated second.
+    pub achieved_tokens_per_s: f64,
+    /// Achieved over ideal.
+    pub efficiency: f64,
+    /// Optimizer steps the run took.
+    pub steps: u64,
+    /// Whether it reached its last step.
+    pub finished: bool,
+    /// Mean loss of the last 5 steps.
+    pub final_loss: Option<f64>,
+    /// `[sim_s, step, loss]` per step.
+    pub loss_curve: Vec<(f64, u64, f64)>,
+    /// `[sim_s, tokens trained so far]` per step.
+    pub tokens_curve: Vec<(f64, u64)>,
+    /// Bytes sent, by kind of traffic.
+    pub bytes: BTreeMap<String, u64>,
+    /// Tokens trained.
+    pub tokens: u64,
+    /// Microbatches given up.
+    pub microbatches_dropped: u64,
+    /// Microbatches retried on another replica.
+    pub microbatches_retried: u64,
+    /// Samples applied twice at one stage (must be 0).
+    pub double_commits: u64,
+    /// Replicas that re-synced after a parameter hash disagreement.
+    pub resyncs: u64,
+    /// Disruptions and recovery times.
+    pub recoveries: Vec<Recovery>,
+    /// Events simulated.
+    pub events: u64,
+    /// Hash over the ordered event trace (time, kind, peers of every event).
+    pub event_hash: String,
+}
+
+impl Report {
+    /// Bytes of pipeline and averaging traffic per trained token, by kind.
+    pub fn bytes_per_token(&self, kind: &str) -> f64 {
+        let b = self.bytes.get(kind).copied().unwrap_or(0) as f64;
+        b / (self.tokens.max(1) as f64)
+    }
+
+    /// The summary table printed after a simulation.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let row = |out: &mut String, k: &str, v: String| {
+            let _ = writeln!(out, "  {k:<24} {v}");
+        };
+        row(&mut out, "seed", self.seed.to_string());
+        row(&mut out, "peers", self.peers.to_string());
+        row(
+            &mut out,
+            "steps",
+            format!(
+                "{}{}",
+                self.steps,
+                if self.finished { "" } else { " (unfinished)" }
+            ),
+        );
+        row(
+            &mut out,
+            "simulated time",
+            format!("{:.1} s", self.sim_seconds),
+        );
+        row(
+            &mut out,
+            "final loss",
+            self.final_loss.map_or("-".into(), |l| format!("{l:.4}")),
+        );
+        row(
+            &mut out,
+            "throughput",
+            format!(
+                "{:.0} tokens/s of {:.0} ideal",
+                self.achieved_tokens_per_s, self.ideal_tokens_per_s
+            ),
+        );
+        row(
+            &mut out,
+            "efficiency",
+            format!("{:.1}%", 100.0 * self.efficiency),
+        );
+        for kind in [
+            "activations",
+            "activation_grads",
+            "averaging",
+            "state",
+            "control",
+        ] {
+            let b = self.bytes.get(kind).copied().unwrap_or(0);
+            row(
+                &mut out,
+                &format!("bytes {kind}"),
+                format!("{} ({:.0} B/token)", human(b), self.bytes_per_token(kind)),
+            );
+        }
+        row(
+            &mut out,
+            "microbatches",
+            format!(
+                "{} retried, {} dropped, {} applied twice",
+                self.microbatches_retried, self.microbatches_dropped, self.double_commits
+            ),
+        );
+        row(&mut out, "re-syncs", self.resyncs.to_string());
+        for r in &self.recoveries {
+            row(
+                &mut out,
+                &format!("{} at {:.0} s", r.cause, r.at_s),
+                r.seconds
+                    .map_or("not recovered".into(), |s| format!("recovered in {s:.1} s")),
+            );
+        }
+        row(&mut out, "event hash", self.event_hash.clone());
+        out
+    }
+
+    /// The loss and throughput curves against simulated time, as an SVG image.
+    pub fn svg(&self, title: &str) -> String {
+        let (w, h) = (900.0, 560.0);
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
+        );
+        let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="20" text-anchor="middle" font-size="14">{}</text>"#,
+            w / 2.0,
+            escape(title)
+        );
+        let t_max = self.sim_seconds.max(1e-9);
+        let loss: Vec<(f64, f64)> = self.loss_curve.iter().map(|p| (p.0, p.2)).collect();
+        let rate = throughput(&self.tokens_curve, t_max);
+        panel(
+            &mut s,
+            (60.0, 40.0, 800.0, 220.0),
+            t_max,
+            &loss,
+            "loss",
+            "#1f77b4",
+        );
+        panel(
+            &mut s,
+            (60.0, 310.0, 800.0, 200.0),
+            t_max,
+            &rate,
+            "tokens/s",
+            "#d62728",
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="middle">simulated seconds</text>"#,
+            w / 2.0,
+            h - 12.0
+        );
+        s.push_str("</svg>\n");
+        s
+    }
+}
+
+/// Tokens per second over about 40 equal windows of simulated time.
+fn throughput(curve: &[(f64, u64)], t_max: f64) -> Vec<(f64, f64)> {
+    let windows = 40;
+    let dt = t_max / windows as f64;
+    let at = |t: f64| -> f64 {
+        // Tokens trained by time t (linear between steps).
+        let Some(last) = curve.last() else {
+            return 0.0;
+        };
+        match curve.iter().position(|p| p.0 >= t) {
+            None => last.1 as f64,
+            Some(0) => curve[0].1 as f64,
+            Some(i) => {
+                let (a, b) = (curve[i - 1], curve[i]);
+                let f = if b.0 > a.0 {
+                    (t - a.0) / (b.0 - a.0)
+                } else {
+                    1.0
+                };
+                a.1 as f64 + f * (b.1 as f64 - a.1 as f64)
+            }
+        }
+    };
+    (0..windows)
+        .map(|i| {
+            let (t0, t1) = (i as f64 * dt, (i + 1) as f64 * dt);
+            ((t0 + t1) / 2.0, (at(t1) - at(t0)) / dt)
+        })
+        .collect()
+}
+
+fn panel(
+    s: &mut String,
+    (x0, y0, pw, ph): (f64, f64, f64, f64),
+    t_max: f64,
+    points: &[(f64, f64)],
+    label: &str,
+    color: &str,
+) {
+    let _ = writeln!(
+        s,
+        r##"<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>"##
+    );
+    let (lo, hi) = points
+        .iter()
+        .map(|p| p.1)
+        .filter(|v| v.is_finite())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
+            (a.min(v), b.max(v))
+        });
+    let (lo, hi) = if lo.is_finite() {
+        let lo = if label == "loss" { lo } else { 0.0 };
+        (lo, if hi > lo { hi } else { lo + 1.0 })
+    } else {
+        (0.0, 1.0)
+    };
+    let x = |t: f64| x0 + pw * t / t_max;
+    let y = |v: f64| y0 + ph - ph * (v - lo) / (hi - lo);
+    for (v, anchor) in [(lo, y0 + ph), (hi, y0 + 10.0)] {
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{anchor}" text-anchor="end">{}</text>"#,
+            x0 - 4.0,
+            short(v)
+        );
+    }
+    for t in [0.0, t_max / 2.0, t_max] {
+        let _ = writeln!(
+            s,
+            r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+            x(t),
+            y0 + ph + 14.0,
+            short(t)
+        );
+    }
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="{}" fill="{color}">{label}</text>"#,
+        x0 + 8.0,
+        y0 + 16.0
+    );
+    if points.is_empty() {
+        return;
+    }
+    let path: Vec<String> = points
+        .iter()
+        .filter(|p| p.1.is_finite())
+        .map(|p| format!("{:.1},{:.1}", x(p.0), y(p.1)))
+        .collect();
+    let _ = writeln!(
+        s,
+        r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{}"/>"#,
+        path.join(" ")
+    );
+}
+
+fn short(v: f64) -> String {
+    if v.abs() >= 1e4 {
+        format!("{:.3e}", v)
+    } else if v.abs() >= 10.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// Bytes in human units.
+pub fn human(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.2} MB", b / 1e6)
+    } else if b >= 1e3 {
+        format!("{:.1} kB", b / 1e3)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn throughput_windows_follow_the_tokens_curve() {
+        // 100 tokens/s for 10 s.
+        let curve: Vec<(f64, u64)> = (0..=10).map(|i| (i as f64, 100 * i as u64)).collect();
+        for (_, r) in throughput(&curve, 10.0) {
+            assert!((r - 100.0).abs() < 1e-6, "{r}");
+        }
+    }
+}

@@ -1,0 +1,737 @@
+//! The discrete-event core: a virtual clock, one queue of timed events, and the peers.
+//!
+//! Each simulated peer is the node's protocol machine ([`Peer`]) plus its compute
+//! ([`StageWorker`]), a device model and an access link. The loop pops the earliest event,
+//! feeds it to the machine it concerns at that virtual time, and carries out what the machine
+//! asks: a message goes through the link model and arrives later as another event; a compute
+//! job runs now, for real, and its completion is scheduled after the time the device model
+//! gives it; a timer is scheduled for the machine's next deadline. Ties are broken by the
+//! order events were scheduled in, and every random choice comes from one seeded generator,
+//! so a scenario and a seed give one trace.
+
+use crate::device::DeviceProfile;
+use crate::link::{AccessLink, deliver};
+use crate::report::{Recovery, Report};
+use crate::scenario::{EventKind, Group, Setup};
+use crate::worker::{StageWorker, model_of, stage_costs};
+use shoal_compute::{Corpus, CpuBackend};
+use shoal_protocol::swarm::message::Traffic;
+use shoal_protocol::swarm::{
+    Action, ComputeDone, Envelope, Event, Message, Peer, PeerKey, RunConfig, RunId, SeededRng,
+    StageCosts, Timing,
+};
+use shoal_protocol::wire::FRAME_HEADER_LEN;
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::sync::Arc;
+use std::time::Duration;
+use xxhash_rust::xxh3::Xxh3Default;
+
+/// Progress, for a progress bar.
+#[derive(Clone, Copy, Debug)]
+pub struct Progress {
+    /// Simulated seconds so far.
+    pub sim_s: f64,
+    /// Optimizer steps the run has taken.
+    pub step: u64,
+    /// Steps it will take.
+    pub steps: u64,
+    /// Peers alive now.
+    pub peers: usize,
+}
+
+/// One simulated peer.
+struct SimPeer {
+    key: PeerKey,
+    machine: Peer,
+    worker: StageWorker,
+    device: DeviceProfile,
+    link: AccessLink,
+    joined_at: f64,
+    /// When it crashed or left.
+    gone_at: Option<f64>,
+    /// Partition side (peers talk only within a side) and since when.
+    side: u32,
+    side_since: f64,
+    /// When its device is free again.
+    busy_until: f64,
+    /// The deadline its pending timer event is for.
+    timer: Option<u64>,
+}
+
+impl SimPeer {
+    fn alive(&self) -> bool {
+        self.gone_at.is_none()
+    }
+}
+
+#[derive(Debug)]
+enum Ev {
+    /// A group of peers joins.
+    Join(usize),
+    /// A scripted event.
+    Script(usize),
+    /// A message arrives.
+    Deliver {
+        to: usize,
+        from: usize,
+        msg: Message,
+    },
+    /// A send failed (the receiver is unreachable and the connection timed out).
+    SendFailed { peer: usize, to: PeerKey },
+    /// A peer's connection to another closed or timed out.
+    PeerLost { peer: usize, lost: usize },
+    /// A compute job finished.
+    Computed { peer: usize, done: ComputeDone },
+    /// A machine's deadline.
+    Timer { peer: usize },
+}
+
+impl Ev {
+    fn tag(&self) -> (u8, u64, u64) {
+        match self {
+            Ev::Join(g) => (0, *g as u64, 0),
+            Ev::Script(i) => (1, *i as u64, 0),
+            Ev::Deliver { to, from, .. } => (2, *to as u64, *from as u64),
+            Ev::SendFailed { peer, to } => (3, *peer as u64, to.0),
+            Ev::PeerLost { peer, lost } => (4, *peer as u64, *lost as u64),
+            Ev::Computed { peer, .. } => (5, *peer as u64, 0),
+            Ev::Timer { peer } => (6, *peer as u64, 0),
+        }
+    }
+}
+
+struct Scheduled {
+    at: u64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Scheduled {
+    fn eq(&self, other: &Self) -> bool {
+        (self.at, self.seq) == (other.at, other.seq)
+    }
+}
+impl Eq for Scheduled {}
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Scheduled {
+    /// Earliest first (BinaryHeap is a max-heap).
+    fn cmp(&self, other: &Self) -> Ordering {
+        (other.at, other.seq).cmp(&(self.at, self.seq))
+    }
+}
+
+fn ns(s: f64) -> u64 {
+    (s.max(0.0) * 1e9).round() as u64
+}
+
+fn secs(ns: u64) -> f64 {
+    ns as f64 / 1e9
+}
+
+/// A disruption whose recovery is being timed.
+struct Pending {
+    cause: String,
+    at: f64,
+    /// Every live replica must pass this step.
+    step: u64,
+}
+
+/// The simulation of one scenario.
+pub struct Sim {
+    setup: Setup,
+    config: RunConfig,
+    run: RunId,
+    costs: StageCosts,
+    timing: Timing,
+    backend: Arc<CpuBackend>,
+    rng: SeededRng,
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Scheduled>,
+    peers: Vec<SimPeer>,
+    by_key: BTreeMap<PeerKey, usize>,
+    next_side: u32,
+    trace: Xxh3Default,
+    events: u64,
+    // What the report needs.
+    step: u64,
+    step_at: f64,
+    tokens: u64,
+    loss_curve: Vec<(f64, u64, f64)>,
+    tokens_curve: Vec<(f64, u64)>,
+    bytes: BTreeMap<Traffic, u64>,
+    committed: BTreeSet<(u32, u64)>,
+    double_commits: u64,
+    resyncs: u64,
+    pending: Vec<Pending>,
+    recoveries: Vec<Recovery>,
+    gone_stats: Vec<(u64, u64)>,
+}
+
+impl Sim {
+    /// A simulation of `setup` from `seed`.
+    pub fn new(setup: Setup, seed: u64) -> Result<Sim, String> {
+        let config = setup.config.clone();
+        let model = model_of(&config)?;
+        let timing = Timing::default();
+        let costs = stage_costs(&config, &model, &timing);
+        let backend = Arc::new(CpuBackend::new(1).map_err(|e| e.to_string())?);
+        let mut sim = Sim {
+            run: config.run_id(),
+            config,
+            costs,
+            timing,
+            backend,
+            rng: SeededRng::new(seed),
+            now: 0,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            peers: Vec::new(),
+            by_key: BTreeMap::new(),
+            next_side: 1,
+            trace: Xxh3Default::new(),
+            events: 0,
+            step: 0,
+            step_at: 0.0,
+            tokens: 0,
+            loss_curve: Vec::new(),
+            tokens_curve: vec![(0.0, 0)],
+            bytes: BTreeMap::new(),
+            committed: BTreeSet::new(),
+            double_commits: 0,
+            resyncs: 0,
+            pending: Vec::new(),
+            recoveries: Vec::new(),
+            gone_stats: Vec::new(),
+            setup,
+        };
+        for (i, g) in sim.setup.groups.clone().iter().enumerate() {
+            sim.schedule(ns(g.join_at_s), Ev::Join(i));
+        }
+        for (i, e) in sim.setup.events.clone().iter().enumerate() {
+            sim.schedule(ns(e.at_s), Ev::Script(i));
+        }
+        Ok(sim)
+    }
+
+    fn schedule(&mut self, at: u64, ev: Ev) {
+        self.seq += 1;
+        self.queue.push(Scheduled {
+            at: at.max(self.now),
+            seq: self.seq,
+            ev,
+        });
+    }
+
+    fn now_s(&self) -> f64 {
+        secs(self.now)
+    }
+
+    fn now_d(&self) -> Duration {
+        Duration::from_nanos(self.now)
+    }
+
+    /// Runs to the end (the last step, or `max_sim_s`), calling `progress` now and then.
+    pub fn run(mut self, progress: &mut dyn FnMut(&Progress)) -> Result<Report, String> {
+        let limit = ns(self.setup.sim.max_sim_s);
+        let mut next_report = 0u64;
+        while let Some(Scheduled { at, ev, .. }) = self.queue.pop() {
+            if at > limit {
+                self.now = limit;
+                break;
+            }
+            self.now = at;
+            self.events += 1;
+            let (kind, a, b) = ev.tag();
+            self.trace.update(&at.to_le_bytes());
+            self.trace.update(&[kind]);
+            self.trace.update(&a.to_le_bytes());
+            self.trace.update(&b.to_le_bytes());
+            self.handle(ev)?;
+            if self.done() {
+                break;
+            }
+            if at >= next_report {
+                next_report = at + 500_000_000;
+                progress(&Progress {
+                    sim_s: self.now_s(),
+                    step: self.step,
+                    steps: self.config.max_steps,
+                    peers: self.peers.iter().filter(|p| p.alive()).count(),
+                });
+            }
+        }
+        progress(&Progress {
+            sim_s: self.now_s(),
+            step: self.step,
+            steps: self.config.max_steps,
+            peers: self.peers.iter().filter(|p| p.alive()).count(),
+        });
+        Ok(self.report())
+    }
+
+    /// The run reached its last step and every live replica has taken it.
+    fn done(&self) -> bool {
+        self.step >= self.config.max_steps
+            && self
+                .peers
+                .iter()
+                .filter(|p| p.alive() && p.machine.is_serving())
+                .all(|p| p.machine.is_finished())
+    }
+
+    fn handle(&mut self, ev: Ev) -> Result<(), String> {
+        let now = self.now_d();
+        match ev {
+            Ev::Join(g) => {
+                let group = self.setup.groups[g].clone();
+                self.join(&group)?;
+            }
+            Ev::Script(i) => self.script(i)?,
+            Ev::Deliver { to, from, msg } => {
+                if !self.peers[to].alive() {
+                    return Ok(());
+                }
+                if self.peers[to].side != self.peers[from].side {
+                    // Cut off in flight: the sender learns when its connection times out.
+                    let cut = self.peers[to].side_since.max(self.peers[from].side_since);
+                    self.fail_send(from, to, cut);
+                    return Ok(());
+                }
+                let key = self.peers[from].key;
+                self.peers[to].machine.handle_message(key, msg, now);
+                self.after(to);
+            }
+            Ev::SendFailed { peer, to } => {
+                if self.peers[peer].alive() {
+                    self.peers[peer].machine.handle_send_failed(to, now);
+                    self.after(peer);
+                }
+            }
+            Ev::PeerLost { peer, lost } => {
+                let still_cut =
+                    !self.peers[lost].alive() || self.peers[lost].side != self.peers[peer].side;
+                if self.peers[peer].alive() && still_cut {
+                    let key = self.peers[lost].key;
+                    self.peers[peer].machine.handle_peer_lost(key, now);
+                    self.after(peer);
+                }
+            }
+            Ev::Computed { peer, done } => {
+                if self.peers[peer].alive() {
+                    self.peers[peer].machine.handle_compute_done(done, now);
+                    self.after(peer);
+                }
+            }
+            Ev::Timer { peer } => {
+                let p = &mut self.peers[peer];
+                if p.alive() && p.timer == Some(self.now) {
+                    p.timer = None;
+                    p.machine.handle_timeout(now);
+                    self.after(peer);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn join(&mut self, group: &Group) -> Result<(), String> {
+        for _ in 0..group.count {
+            let key = PeerKey(self.rng.next_u64());
+            let link = AccessLink::new(group.link, &mut self.rng);
+            let seed = self.rng.next_u64();
+            let mut machine = Peer::new(
+                key,
+                self.config.clone(),
+                self.costs.clone(),
+                self.timing,
+                seed,
+                None,
+                self.now_d(),
+            );
+            machine.set_memory(group.device.memory);
+            machine.set_routing(self.setup.routing);
+            let corpus = Corpus::synthetic(self.config.seed);
+            let worker = StageWorker::new(self.config.clone(), self.backend.clone(), Some(corpus))?;
+            let index = self.peers.len();
+            self.by_key.insert(key, index);
+            self.peers.push(SimPeer {
+                key,
+                machine,
+                worker,
+                device: group.device,
+                link,
+                joined_at: self.now_s(),
+                gone_at: None,
+                side: 0,
+                side_since: 0.0,
+                busy_until: self.now_s(),
+                timer: None,
+            });
+            self.after(index);
+        }
+        Ok(())
+    }
+
+    /// Peers chosen for a crash, leave or partition: named, or drawn by the seed among the
+    /// live ones, never taking a stage's last live replica while another choice exists.
+    fn choose(&mut self, count: u32, named: Option<&[usize]>) -> Vec<usize> {
+        if let Some(named) = named {
+            return named
+                .iter()
+                .copied()
+                .filter(|i| self.peers.get(*i).is_some_and(SimPeer::alive))
+                .collect();
+        }
+        let mut chosen: Vec<usize> = Vec::new();
+        for _ in 0..count {
+            let live: Vec<usize> = (0..self.peers.len())
+                .filter(|i| self.peers[*i].alive() && !chosen.contains(i))
+                .collect();
+            let replicas_left = |i: usize, chosen: &[usize]| {
+                let stage = self.peers[i].machine.stage();
+                live.iter()
+                    .filter(|j| **j != i && !chosen.contains(j))
+                    .any(|j| self.peers[*j].machine.stage() == stage)
+            };
+            let safe: Vec<usize> = live
+                .iter()
+                .copied()
+                .filter(|i| replicas_left(*i, &chosen))
+                .collect();
+            let pool = if safe.is_empty() { &live } else { &safe };
+            if pool.is_empty() {
+                break;
+            }
+            let pick = pool[(self.rng.next_u64() % pool.len() as u64) as usize];
+            chosen.push(pick);
+        }
+        chosen.sort_unstable();
+        chosen
+    }
+
+    fn script(&mut self, i: usize) -> Result<(), String> {
+        let e = self.setup.events[i].clone();
+        let now = self.now_s();
+        let idle = self.setup.sim.idle_timeout_s;
+        let mut disrupted = Vec::new();
+        match e.kind {
+            EventKind::Join => {
+                if let Some(g) = &e.joiners {
+                    self.join(g)?;
+                }
+            }
+            EventKind::Crash | EventKind::Leave => {
+                disrupted = self.choose(e.count, e.peers.as_deref());
+                for &p in &disrupted {
+                    if e.kind == EventKind::Leave {
+                        // A polite goodbye, then the connections close.
+                        let bye = self.peers[p].machine.leave();
+                        self.gossip(p, bye);
+                    }
+                    let stats = self.peers[p].machine.stats();
+                    self.gone_stats
+                        .push((stats.microbatches_dropped, stats.microbatches_retried));
+                    self.peers[p].gone_at = Some(now);
+                    let notice = if e.kind == EventKind::Leave {
+                        0.0
+                    } else {
+                        idle
+                    };
+                    for q in 0..self.peers.len() {
+                        if q != p && self.peers[q].alive() {
+                            let at = now + notice + self.latency(p, q);
+                            self.schedule(ns(at), Ev::PeerLost { peer: q, lost: p });
+                        }
+                    }
+                }
+            }
+            EventKind::Partition => {
+                disrupted = self.choose(e.count, e.peers.as_deref());
+                let side = self.next_side;
+                self.next_side += 1;
+                for &p in &disrupted {
+                    self.peers[p].side = side;
+                    self.peers[p].side_since = now;
+                }
+                for &p in &disrupted {
+                    for q in 0..self.peers.len() {
+                        if self.peers[q].alive() && self.peers[q].side != side {
+                            self.schedule(ns(now + idle), Ev::PeerLost { peer: q, lost: p });
+                            self.schedule(ns(now + idle), Ev::PeerLost { peer: p, lost: q });
+                        }
+                    }
+                }
+            }
+            EventKind::Heal => {
+                for p in &mut self.peers {
+                    p.side = 0;
+                    p.side_since = now;
+                }
+            }
+        }
+        if !disrupted.is_empty() {
+            let step = self
+                .peers
+                .iter()
+                .filter(|p| p.alive() && p.machine.is_serving())
+                .map(|p| p.machine.step())
+                .max()
+                .unwrap_or(0);
+            self.pending.push(Pending {
+                cause: format!("{} of {}", e.kind.name(), disrupted.len()),
+                at: now,
+                step: step + 1,
+            });
+        }
+        Ok(())
+    }
+
+    fn latency(&self, a: usize, b: usize) -> f64 {
+        (self.peers[a].link.latency + self.peers[b].link.latency) / 2.0
+    }
+
+    /// Tells `from` that a send to `to` failed, once its connection has timed out.
+    fn fail_send(&mut self, from: usize, to: usize, cut_at: f64) {
+        let at = (self.now_s() + 2.0 * self.latency(from, to))
+            .max(cut_at + self.setup.sim.idle_timeout_s);
+        let to = self.peers[to].key;
+        self.schedule(ns(at), Ev::SendFailed { peer: from, to });
+    }
+
+    /// Sends `msg` from `from` to `to` through the link model.
+    fn send(&mut self, from: usize, to: usize, msg: Message) {
+        let env = Envelope { run: self.run, msg };
+        let bytes = (env.to_bytes().len() + FRAME_HEADER_LEN) as u64;
+        *self.bytes.entry(env.msg.traffic()).or_default() += bytes;
+        let reachable = self.peers[to].alive() && self.peers[to].side == self.peers[from].side;
+        if !reachable {
+            let cut = match self.peers[to].gone_at {
+                Some(t) => t,
+                None => self.peers[to].side_since.max(self.peers[from].side_since),
+            };
+            self.fail_send(from, to, cut);
+            return;
+        }
+        let now = self.now_s();
+        let at = {
+            let (a, b) = pair(&mut self.peers, from, to);
+            deliver(now, bytes, &mut a.link, &mut b.link)
+        };
+        self.schedule(
+            ns(at),
+            Ev::Deliver {
+                to,
+                from,
+                msg: env.msg,
+            },
+        );
+    }
+
+    /// Gossips an announcement to every peer `from` can reach.
+    fn gossip(&mut self, from: usize, a: shoal_protocol::swarm::Announcement) {
+        for to in 0..self.peers.len() {
+            if to != from && self.peers[to].alive() && self.peers[to].side == self.peers[from].side
+            {
+                self.send(from, to, Message::Announce(a.clone()));
+            }
+        }
+    }
+
+    /// Carries out what peer `i`'s machine asks, then sets its timer.
+    fn after(&mut self, i: usize) {
+        while let Some(action) = self.peers[i].machine.poll_action() {
+            match action {
+                Action::Send { to, msg } => match self.by_key.get(&to) {
+                    Some(&j) if j != i => self.send(i, j, msg),
+                    _ => {
+                        // Nobody by that key: the node would fail to open a stream.
+                        self.schedule(self.now + 1_000_000, Ev::SendFailed { peer: i, to });
+                    }
+                },
+                Action::Announce(a) => self.gossip(i, a),
+                Action::Compute(job) => {
+                    let p = &mut self.peers[i];
+                    let took = p.device.job_time(&job, p.machine.stage(), &self.costs);
+                    let done = p.worker.run(job);
+                    let start = p.busy_until.max(secs(self.now));
+                    p.busy_until = start + took.as_secs_f64();
+                    let at = ns(p.busy_until);
+                    self.schedule(at, Ev::Computed { peer: i, done });
+                }
+                Action::Event(e) => self.on_event(i, e),
+            }
+        }
+        let p = &mut self.peers[i];
+        if let Some(t) = p.machine.poll_timeout() {
+            // A deadline already past is served right away, but never in a loop at one
+            // instant: a machine that keeps one is looked at again a millisecond later.
+            let t = (t.as_nanos() as u64).max(self.now + 1_000);
+            if p.timer.is_none_or(|cur| t < cur) {
+                p.timer = Some(t);
+                self.seq += 1;
+                self.queue.push(Scheduled {
+                    at: t,
+                    seq: self.seq,
+                    ev: Ev::Timer { peer: i },
+                });
+            }
+        }
+    }
+
+    fn on_event(&mut self, i: usize, e: Event) {
+        if std::env::var("SIMDEBUG").is_ok() && self.now < 20_000_000_000 {
+            eprintln!("{:.3} p{i} {e:?}", self.now_s());
+        }
+        let last = self.config.stages - 1;
+        let stage = self.peers[i].machine.stage();
+        match e {
+            Event::Stepped { step, loss, .. } => {
+                if stage == Some(last) && step > self.step {
+                    self.step = step;
+                    self.step_at = self.now_s();
+                    if let Some(l) = loss {
+                        self.loss_curve.push((self.now_s(), step, l as f64));
+                    }
+                    self.tokens_curve.push((self.now_s(), self.tokens));
+                }
+                self.check_recoveries();
+            }
+            Event::Committed { sample } => {
+                if let Some(s) = stage {
+                    if !self.committed.insert((s, sample)) {
+                        self.double_commits += 1;
+                    }
+                    if s == last {
+                        self.tokens += (self.config.microbatch * self.config.seq) as u64;
+                    }
+                }
+            }
+            Event::Resync { .. } => self.resyncs += 1,
+            _ => {}
+        }
+    }
+
+    fn check_recoveries(&mut self) {
+        let lowest = self
+            .peers
+            .iter()
+            .filter(|p| p.alive() && p.machine.is_serving())
+            .map(|p| p.machine.step())
+            .min()
+            .unwrap_or(0);
+        let now = self.now_s();
+        let (done, waiting): (Vec<Pending>, Vec<Pending>) =
+            self.pending.drain(..).partition(|p| lowest >= p.step);
+        self.pending = waiting;
+        self.recoveries.extend(done.into_iter().map(|p| Recovery {
+            cause: p.cause,
+            at_s: p.at,
+            seconds: Some(now - p.at),
+        }));
+    }
+
+    fn report(mut self) -> Report {
+        let end = if self.step >= self.config.max_steps {
+            self.step_at
+        } else {
+            self.now_s()
+        };
+        let model_flops_per_token: f64 =
+            self.costs.flops_per_sample.iter().sum::<f64>() / self.config.seq as f64;
+        // Ideal: every peer's device busy with useful training all the time it was present.
+        let flops_seconds: f64 = self
+            .peers
+            .iter()
+            .map(|p| {
+                let left = p.gone_at.unwrap_or(end).min(end);
+                p.device.flops * (left - p.joined_at).max(0.0)
+            })
+            .sum();
+        let ideal = if end > 0.0 {
+            flops_seconds / end / model_flops_per_token
+        } else {
+            0.0
+        };
+        let achieved = if end > 0.0 {
+            self.tokens as f64 / end
+        } else {
+            0.0
+        };
+        let (mut dropped, mut retried) = self
+            .gone_stats
+            .iter()
+            .fold((0, 0), |(d, r), (a, b)| (d + a, r + b));
+        for p in self.peers.iter().filter(|p| p.alive()) {
+            let s = p.machine.stats();
+            dropped += s.microbatches_dropped;
+            retried += s.microbatches_retried;
+        }
+        let tail = &self.loss_curve[self.loss_curve.len().saturating_sub(5)..];
+        let final_loss =
+            (!tail.is_empty()).then(|| tail.iter().map(|p| p.2).sum::<f64>() / tail.len() as f64);
+        self.recoveries
+            .extend(self.pending.drain(..).map(|p| Recovery {
+                cause: p.cause,
+                at_s: p.at,
+                seconds: None,
+            }));
+        Report {
+            seed: 0,
+            peers: self.peers.len(),
+            sim_seconds: end,
+            ideal_tokens_per_s: ideal,
+            achieved_tokens_per_s: achieved,
+            efficiency: if ideal > 0.0 { achieved / ideal } else { 0.0 },
+            steps: self.step,
+            finished: self.step >= self.config.max_steps,
+            final_loss,
+            loss_curve: self.loss_curve,
+            tokens_curve: self.tokens_curve,
+            bytes: Traffic::ALL
+                .iter()
+                .map(|t| {
+                    (
+                        t.name().to_string(),
+                        self.bytes.get(t).copied().unwrap_or(0),
+                    )
+                })
+                .collect(),
+            tokens: self.tokens,
+            microbatches_dropped: dropped,
+            microbatches_retried: retried,
+            double_commits: self.double_commits,
+            resyncs: self.resyncs,
+            recoveries: self.recoveries,
+            events: self.events,
+            event_hash: format!("{:016x}", self.trace.digest()),
+        }
+    }
+}
+
+/// Two distinct peers, mutably.
+fn pair(peers: &mut [SimPeer], a: usize, b: usize) -> (&mut SimPeer, &mut SimPeer) {
+    if a < b {
+        let (lo, hi) = peers.split_at_mut(b);
+        (&mut lo[a], &mut hi[0])
+    } else {
+        let (lo, hi) = peers.split_at_mut(a);
+        (&mut hi[0], &mut lo[b])
+    }
+}
+
+/// Simulates `setup` from `seed`.
+pub fn simulate(
+    setup: Setup,
+    seed: u64,
+    progress: &mut dyn FnMut(&Progress),
+) -> Result<Report, String> {
+    let mut report = Sim::new(setup, seed)?.run(progress)?;
+    report.seed = seed;
+    Ok(report)
+}

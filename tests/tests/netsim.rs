@@ -1,0 +1,141 @@
+//! The simulator end to end: reproducible from a seed, training for real, reporting what the
+//! issue of a run needs; and the shipped scenarios are valid.
+
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use serde_json::Value;
+use shoal_netsim::{Report, Scenario, simulate};
+use shoal_tests::{shoal_binary, temp_dir};
+use std::path::Path;
+use std::process::Command;
+
+/// Six peers on mixed links, one crashing mid-run and one joining: every kind of event.
+const SMALL: &str = r#"
+[run]
+preset = "nano"
+stages = 3
+global_batch = 32
+microbatch = 8
+steps = 12
+
+[[peers]]
+count = 4
+device = "rtx3090"
+link = "home"
+
+[[peers]]
+count = 2
+device = "t4"
+link = "us-regions"
+
+[[events]]
+at_s = 3.0
+kind = "crash"
+count = 1
+
+[[events]]
+at_s = 4.0
+kind = "join"
+count = 1
+device = "rtx4090"
+link = "metro"
+"#;
+
+fn run(text: &str, seed: u64) -> Report {
+    simulate(Scenario::parse(text).unwrap(), seed, &mut |_| {}).unwrap()
+}
+
+#[test]
+fn a_seed_fixes_the_whole_trace() {
+    let a = run(SMALL, 7);
+    let b = run(SMALL, 7);
+    let c = run(SMALL, 8);
+    assert_eq!(
+        serde_json::to_string(&a).unwrap(),
+        serde_json::to_string(&b).unwrap(),
+        "same scenario and seed, same report"
+    );
+    assert_ne!(a.event_hash, c.event_hash, "another seed, another trace");
+    for r in [&a, &c] {
+        assert!(r.finished, "{}", r.table());
+        assert_eq!(r.double_commits, 0, "{}", r.table());
+        assert_eq!(r.peers, 7);
+        let first = r.loss_curve.first().unwrap().2;
+        assert!(r.final_loss.unwrap() < first - 0.3, "{}", r.table());
+        assert_eq!(r.recoveries.len(), 1);
+        assert!(r.recoveries[0].seconds.is_some(), "{:?}", r.recoveries);
+        assert!(r.efficiency > 0.0 && r.efficiency <= 1.0);
+    }
+}
+
+#[test]
+fn the_shipped_scenarios_are_valid() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../netsim/scenarios");
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        Scenario::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        names.push(path.file_stem().unwrap().to_string_lossy().into_owned());
+    }
+    names.sort();
+    assert_eq!(names, ["churn", "demo", "hetero", "wan"]);
+}
+
+#[test]
+fn the_command_writes_a_report_and_a_plot() {
+    let dir = temp_dir("netsim-cli");
+    let scenario = dir.join("small.toml");
+    std::fs::write(&scenario, SMALL).unwrap();
+    let (report, plot) = (dir.join("report.json"), dir.join("curves.svg"));
+    let out = Command::new(shoal_binary())
+        .arg("netsim")
+        .arg(&scenario)
+        .args(["--seed", "3", "--report"])
+        .arg(&report)
+        .arg("--plot")
+        .arg(&plot)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("efficiency"), "{stdout}");
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    for field in [
+        "seed",
+        "peers",
+        "sim_seconds",
+        "ideal_tokens_per_s",
+        "achieved_tokens_per_s",
+        "efficiency",
+        "steps",
+        "final_loss",
+        "loss_curve",
+        "bytes",
+        "microbatches_dropped",
+        "recoveries",
+        "event_hash",
+    ] {
+        assert!(!r[field].is_null(), "{field} in {r}");
+    }
+    assert_eq!(r["seed"], 3);
+    assert_eq!(r["loss_curve"][0].as_array().unwrap().len(), 3);
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("polyline"), "{svg}");
+
+    // A broken scenario is one clear line, not a panic.
+    std::fs::write(&scenario, SMALL.replace("rtx3090", "rtx9999")).unwrap();
+    let out = Command::new(shoal_binary())
+        .arg("netsim")
+        .arg(&scenario)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("unknown device 'rtx9999'"), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+}
