@@ -18,7 +18,7 @@ use shoal_compute::{Corpus, CpuBackend};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
     Action, ComputeDone, Envelope, Event, Message, Peer, PeerKey, RunConfig, RunId, SeededRng,
-    StageCosts, Timing,
+    StageCosts, SyncMode, Timing,
 };
 use shoal_protocol::wire::FRAME_HEADER_LEN;
 use std::cmp::Ordering;
@@ -160,7 +160,6 @@ pub struct Sim {
     events: u64,
     // What the report needs.
     step: u64,
-    step_at: f64,
     tokens: u64,
     loss_curve: Vec<(f64, u64, f64)>,
     tokens_curve: Vec<(f64, u64)>,
@@ -197,7 +196,6 @@ impl Sim {
             trace: Xxh3Default::new(),
             events: 0,
             step: 0,
-            step_at: 0.0,
             tokens: 0,
             loss_curve: Vec::new(),
             tokens_curve: vec![(0.0, 0)],
@@ -275,14 +273,14 @@ impl Sim {
         Ok(self.report())
     }
 
-    /// The run reached its last step and every live replica has taken it.
+    /// Every live replica has taken the run's last step.
     fn done(&self) -> bool {
-        self.step >= self.config.max_steps
-            && self
-                .peers
-                .iter()
-                .filter(|p| p.alive() && p.machine.is_serving())
-                .all(|p| p.machine.is_finished())
+        let mut serving = self
+            .peers
+            .iter()
+            .filter(|p| p.alive() && p.machine.is_serving())
+            .peekable();
+        serving.peek().is_some() && serving.all(|p| p.machine.is_finished())
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), String> {
@@ -585,23 +583,33 @@ impl Sim {
     }
 
     fn on_event(&mut self, i: usize, e: Event) {
-        if std::env::var("SIMDEBUG").is_ok() && self.now < 20_000_000_000 {
-            eprintln!("{:.3} p{i} {e:?}", self.now_s());
-        }
         let last = self.config.stages - 1;
         let stage = self.peers[i].machine.stage();
         match e {
-            Event::Stepped { step, loss, .. } => {
-                if stage == Some(last) && step > self.step {
-                    self.step = step;
-                    self.step_at = self.now_s();
-                    if let Some(l) = loss {
-                        self.loss_curve.push((self.now_s(), step, l as f64));
+            Event::Stepped { step, loss, .. } if stage == Some(last) => {
+                // The run's step: the last stage's in allreduce mode; in DiLoCo, where each
+                // replica steps on its own share, the global batches the stage has trained.
+                let step = match self.config.sync {
+                    SyncMode::AllReduce => step,
+                    SyncMode::DiLoCo { .. } => {
+                        let batch = (self.config.global_batch * self.config.seq) as u64;
+                        (self.tokens / batch.max(1)).min(self.config.max_steps)
                     }
+                };
+                // One point per step in allreduce mode (the replicas agree); every replica's
+                // local step in DiLoCo.
+                let local = matches!(self.config.sync, SyncMode::DiLoCo { .. });
+                if let Some(l) = loss.filter(|_| local || step > self.step) {
+                    self.loss_curve
+                        .push((self.now_s(), step.max(self.step), l as f64));
+                }
+                if step > self.step {
+                    self.step = step;
                     self.tokens_curve.push((self.now_s(), self.tokens));
                 }
                 self.check_recoveries();
             }
+            Event::Stepped { .. } => self.check_recoveries(),
             Event::Committed { sample } => {
                 if let Some(s) = stage {
                     if !self.committed.insert((s, sample)) {
@@ -637,11 +645,9 @@ impl Sim {
     }
 
     fn report(mut self) -> Report {
-        let end = if self.step >= self.config.max_steps {
-            self.step_at
-        } else {
-            self.now_s()
-        };
+        let finished = self.done();
+        // Finished: the run ends when its last replica takes the last step.
+        let end = self.now_s();
         let model_flops_per_token: f64 =
             self.costs.flops_per_sample.iter().sum::<f64>() / self.config.seq as f64;
         // Ideal: every peer's device busy with useful training all the time it was present.
@@ -689,7 +695,7 @@ impl Sim {
             achieved_tokens_per_s: achieved,
             efficiency: if ideal > 0.0 { achieved / ideal } else { 0.0 },
             steps: self.step,
-            finished: self.step >= self.config.max_steps,
+            finished,
             final_loss,
             loss_curve: self.loss_curve,
             tokens_curve: self.tokens_curve,

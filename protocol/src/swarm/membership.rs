@@ -40,6 +40,14 @@ impl Membership {
             self.members.remove(&peer);
             return false;
         }
+        if let Some(m) = self.members.get_mut(&peer) {
+            let known = &m.announcement;
+            if known.incarnation == announcement.incarnation && announcement.seq <= known.seq {
+                // Overtaken by a newer announcement on the way.
+                m.last_seen = m.last_seen.max(now);
+                return false;
+            }
+        }
         let new = !self.members.contains_key(&peer);
         if new && self.members.len() >= MAX_MEMBERS {
             return false;
@@ -306,6 +314,8 @@ mod tests {
             finished: false,
             loss: None,
             memory: 0,
+            incarnation: 1,
+            seq: 0,
         }
     }
 
@@ -360,6 +370,24 @@ mod tests {
             .count();
         let share = fast as f64 / 20_000.0;
         assert!((share - 0.5).abs() < 0.02, "uniform: {share}");
+    }
+
+    #[test]
+    fn an_overtaken_announcement_does_not_undo_a_newer_one() {
+        let mut m = Membership::default();
+        let now = Duration::ZERO;
+        let mut serving = announcement(1, 5.0, 0);
+        serving.seq = 2;
+        let mut syncing = announcement(1, 0.0, 0);
+        syncing.state = MemberState::Syncing;
+        syncing.seq = 1;
+        m.update(PeerKey(1), serving.clone(), now);
+        m.update(PeerKey(1), syncing.clone(), now);
+        assert_eq!(m.replicas(1), vec![PeerKey(1)]);
+        // The same peer restarted: a new incarnation starts its count again.
+        syncing.incarnation = 2;
+        m.update(PeerKey(1), syncing, now);
+        assert_eq!(m.replicas(1), Vec::<PeerKey>::new());
     }
 
     #[test]

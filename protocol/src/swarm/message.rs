@@ -63,6 +63,12 @@ pub struct Announcement {
     /// Bytes of device memory it can give a stage (0: not limited), so that no peer is asked
     /// to move to a stage it cannot hold.
     pub memory: u64,
+    /// Random per start of the peer, so that announcements of a restarted peer are told from
+    /// its earlier life's.
+    pub incarnation: u64,
+    /// Counts this incarnation's announcements: each message travels on its own stream, so an
+    /// older one can arrive after a newer one and must not undo it.
+    pub seq: u64,
 }
 
 /// One microbatch's activations going forward.

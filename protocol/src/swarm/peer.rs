@@ -346,6 +346,8 @@ pub struct Peer {
     checkpoint_every: Option<u64>,
     memory: u64,
     routing: Routing,
+    incarnation: u64,
+    announcements: u64,
     rng: SeededRng,
     role: Role,
     stage: Option<u32>,
@@ -375,6 +377,9 @@ pub struct Peer {
     catching_up: Option<(PeerKey, u64, Duration)>,
     last_advance: Duration,
     stall_check: Option<Duration>,
+    /// A replica that just started serving waits this long before starting a round of its
+    /// own, so that replicas starting together have heard of each other first.
+    settle_until: Option<Duration>,
     collecting_since: Duration,
     starve_check: Option<Duration>,
     early_joins: Vec<(RoundKey, PeerKey)>,
@@ -423,6 +428,8 @@ impl Peer {
             checkpoint_every: None,
             memory: 0,
             routing: Routing::default(),
+            incarnation: 0,
+            announcements: 0,
             rng: SeededRng::new(seed ^ me.0.rotate_left(17)),
             role: Role::Choosing {
                 until: now + timing.choose_after,
@@ -454,6 +461,7 @@ impl Peer {
             catching_up: None,
             last_advance: now,
             stall_check: None,
+            settle_until: None,
             collecting_since: now,
             starve_check: None,
             early_joins: Vec::new(),
@@ -480,7 +488,9 @@ impl Peer {
             decoder: Decoder::new(),
             config,
         };
+        peer.incarnation = peer.rng.next_u64();
         if let Some(r) = resume {
+            peer.settle_until = Some(now + timing.announce_every);
             peer.stage = Some(r.stage);
             peer.role = Role::Serving;
             peer.step = r.step;
@@ -626,6 +636,7 @@ impl Peer {
         t.extend(self.catching_up.map(|c| c.2));
         t.extend(self.stall_check);
         t.extend(self.starve_check);
+        t.extend(self.settle_until);
         t.extend(self.hops.values().map(|h| h.expires).min());
         t.into_iter().min()
     }
@@ -670,8 +681,14 @@ impl Peer {
         self.queue.iter().map(|q| q.len()).sum::<usize>() as u32 + u32::from(self.busy.is_some())
     }
 
-    /// The announcement this peer gossips.
-    pub fn announcement(&self) -> Announcement {
+    fn announce(&mut self) {
+        let a = self.announcement();
+        self.actions.push_back(Action::Announce(a));
+    }
+
+    /// The announcement this peer gossips next.
+    pub fn announcement(&mut self) -> Announcement {
+        self.announcements += 1;
         let (stage, state) = match self.role {
             Role::Choosing { .. } => (None, MemberState::Choosing),
             Role::Syncing { stage, .. } => (Some(stage), MemberState::Syncing),
@@ -688,6 +705,8 @@ impl Peer {
             finished: self.finished,
             loss: self.last_loss,
             memory: self.memory,
+            incarnation: self.incarnation,
+            seq: self.announcements,
         }
     }
 
@@ -867,8 +886,7 @@ impl Peer {
             self.peer_gone(gone, now);
         }
         if now >= self.next_announce {
-            self.actions
-                .push_back(Action::Announce(self.announcement()));
+            self.announce();
             self.update_throughput();
             self.next_announce = now + self.timing.announce_every;
         }
@@ -933,6 +951,10 @@ impl Peer {
         if self.starve_check.is_some_and(|t| now >= t) {
             self.starve_check = None;
             self.maybe_begin_round(now);
+        }
+        if self.settle_until.is_some_and(|t| now >= t) {
+            self.maybe_begin_round(now);
+            self.settle_until = None;
         }
         if let Some((from, _, deadline)) = self.catching_up {
             if now >= deadline {
@@ -1297,8 +1319,7 @@ impl Peer {
                 self.enqueue(Job::Init { stage });
             }
         }
-        self.actions
-            .push_back(Action::Announce(self.announcement()));
+        self.announce();
     }
 
     fn resync(&mut self, from: PeerKey, reason: &'static str, now: Duration) {
@@ -1410,6 +1431,7 @@ impl Peer {
         };
         self.role = Role::Serving;
         self.stage = Some(stage);
+        self.settle_until = Some(now + self.timing.announce_every);
         // In DiLoCo transferred parameters are mid-round (the source's local ones); only
         // hashes taken right after a round are comparable between replicas.
         self.params_hash = (self.config.sync == SyncMode::AllReduce).then_some(hash);
@@ -1421,8 +1443,7 @@ impl Peer {
             step: self.step,
             from: source,
         });
-        self.actions
-            .push_back(Action::Announce(self.announcement()));
+        self.announce();
         self.next_announce = now + self.timing.announce_every;
     }
 
@@ -1953,6 +1974,11 @@ impl Peer {
             return;
         }
         let Some(stage) = self.stage else { return };
+        match self.settle_until {
+            Some(t) if now < t => return,
+            Some(_) => self.settle_until = None,
+            None => {}
+        }
         // Behind a replica of this stage: its round is over, so catch up instead of starting
         // a round nobody else will join.
         if let Some(ahead) = self.replica_ahead() {
@@ -2273,8 +2299,7 @@ impl Peer {
                 });
             }
         }
-        self.actions
-            .push_back(Action::Announce(self.announcement()));
+        self.announce();
         self.release_held_commits();
         if let Some(ahead) = self.replica_ahead() {
             self.catch_up(ahead, now);
