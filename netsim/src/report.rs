@@ -25,9 +25,9 @@ pub struct Report {
     pub peers: usize,
     /// Simulated seconds until the last step (or until the simulation gave up).
     pub sim_seconds: f64,
-    /// Tokens per second if every peer's device did nothing but useful training all the time
-    /// it was present: the sum of the peers' FLOP/s (weighted by presence) over the model's
-    /// training FLOPs per token.
+    /// Tokens per second if every peer's device did nothing but forward and backward passes
+    /// all the time it was present: the sum over peers of its compute-only throughput (a
+    /// microbatch through every stage, per-job overheads included), weighted by presence.
     pub ideal_tokens_per_s: f64,
     /// Tokens trained (committed at the last stage) per simulated second.
     pub achieved_tokens_per_s: f64,

@@ -17,8 +17,8 @@ use crate::worker::{StageWorker, model_of, stage_costs};
 use shoal_compute::{Corpus, CpuBackend};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
-    Action, ComputeDone, Envelope, Event, Message, Peer, PeerKey, RunConfig, RunId, SeededRng,
-    StageCosts, SyncMode, Timing,
+    Action, ComputeDone, Envelope, Event, Input, Job, Message, Peer, PeerKey, RunConfig, RunId,
+    SeededRng, StageCosts, SyncMode, Timing,
 };
 use shoal_protocol::wire::FRAME_HEADER_LEN;
 use std::cmp::Ordering;
@@ -644,26 +644,46 @@ impl Sim {
         }));
     }
 
+    /// Tokens per second `device` trains alone: a microbatch's forward and backward pass
+    /// through every stage, back to back, per-job overheads included.
+    fn compute_only_tokens_per_s(&self, device: &DeviceProfile) -> f64 {
+        let rows = self.config.microbatch;
+        let seconds: f64 = (0..self.config.stages)
+            .map(|stage| {
+                let forward = Job::Forward {
+                    id: 0,
+                    rows,
+                    input: Input::Sample { index: 0 },
+                    targets: None,
+                };
+                let backward = Job::Backward {
+                    id: 0,
+                    grad: None,
+                    rows,
+                };
+                (device.job_time(&forward, Some(stage), &self.costs)
+                    + device.job_time(&backward, Some(stage), &self.costs))
+                .as_secs_f64()
+            })
+            .sum();
+        (rows * self.config.seq) as f64 / seconds
+    }
+
     fn report(mut self) -> Report {
         let finished = self.done();
         // Finished: the run ends when its last replica takes the last step.
         let end = self.now_s();
-        let model_flops_per_token: f64 =
-            self.costs.flops_per_sample.iter().sum::<f64>() / self.config.seq as f64;
-        // Ideal: every peer's device busy with useful training all the time it was present.
-        let flops_seconds: f64 = self
+        // Ideal: every peer busy with nothing but forward and backward passes, all the time
+        // it was present, as if it ran every stage of the model itself.
+        let token_seconds: f64 = self
             .peers
             .iter()
             .map(|p| {
                 let left = p.gone_at.unwrap_or(end).min(end);
-                p.device.flops * (left - p.joined_at).max(0.0)
+                self.compute_only_tokens_per_s(&p.device) * (left - p.joined_at).max(0.0)
             })
             .sum();
-        let ideal = if end > 0.0 {
-            flops_seconds / end / model_flops_per_token
-        } else {
-            0.0
-        };
+        let ideal = if end > 0.0 { token_seconds / end } else { 0.0 };
         let achieved = if end > 0.0 {
             self.tokens as f64 / end
         } else {

@@ -74,12 +74,18 @@ fn the_shipped_scenarios_are_valid() {
     let mut names = Vec::new();
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "toml") {
+            continue;
+        }
         let text = std::fs::read_to_string(&path).unwrap();
         Scenario::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         names.push(path.file_stem().unwrap().to_string_lossy().into_owned());
     }
     names.sort();
-    assert_eq!(names, ["churn", "demo", "hetero", "wan"]);
+    assert_eq!(
+        names,
+        ["churn", "demo", "hetero", "regions", "scale", "wan"]
+    );
 }
 
 #[test]

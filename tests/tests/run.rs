@@ -244,18 +244,13 @@ fn diloco_swarm_of_six_processes_trains_with_identical_replicas() {
     swarm_trains(&["--sync", "diloco", "--diloco-h", "5"], 300, false);
 }
 
-/// Churn: a replica is killed, a peer joins, another restarts from its checkpoint. Not in
-/// the default run: on this 2-core machine a run slows down several-fold after the kill
-/// (stages fall out of step and recover through short rounds), and a peer restarted with the
-/// same identity is not always seen again by every peer; see the README's status.
+/// Churn: a replica is killed, a peer joins, another restarts from its checkpoint.
 #[test]
-#[ignore]
 fn allreduce_swarm_survives_a_kill_a_join_and_a_restart() {
     swarm_trains(&[], 400, true);
 }
 
 #[test]
-#[ignore]
 fn diloco_swarm_survives_a_kill_a_join_and_a_restart() {
     swarm_trains(&["--sync", "diloco", "--diloco-h", "5"], 400, true);
 }
