@@ -92,10 +92,16 @@ impl Report {
             "simulated time",
             format!("{:.1} s", self.sim_seconds),
         );
+        let first = self.loss_curve.first().map(|p| p.2);
         row(
             &mut out,
-            "final loss",
-            self.final_loss.map_or("-".into(), |l| format!("{l:.4}")),
+            "loss",
+            match (first, self.final_loss) {
+                (Some(a), Some(b)) => {
+                    format!("{a:.4} at the first step, {b:.4} at the end (last 5 steps)")
+                }
+                _ => "-".into(),
+            },
         );
         row(
             &mut out,
