@@ -84,7 +84,9 @@ fn the_shipped_scenarios_are_valid() {
     names.sort();
     assert_eq!(
         names,
-        ["churn", "demo", "hetero", "regions", "scale", "wan"]
+        [
+            "churn", "demo", "hetero", "loopback", "regions", "scale", "wan"
+        ]
     );
 }
 

@@ -788,7 +788,14 @@ impl Peer {
                 in_flight,
             } => {
                 let valid = |x: f64| x.is_finite() && x >= 0.0;
-                if Some(stage) == self.stage && valid(samples) && valid(in_flight) {
+                // Within a round a replica's count only grows, and rounds only advance: a
+                // report that arrives after a newer one (each message has its own stream) is
+                // stale.
+                let newer = self
+                    .progress
+                    .get(&from)
+                    .is_none_or(|p| round > p.0 || (round == p.0 && samples >= p.1));
+                if Some(stage) == self.stage && valid(samples) && valid(in_flight) && newer {
                     self.progress.insert(from, (round, samples, in_flight));
                     self.maybe_begin_round(now);
                 }
@@ -1908,8 +1915,6 @@ impl Peer {
         }
     }
 
-    /// Samples committed or in flight toward the round being collected, over the stage's
-    /// replicas as known from their progress messages.
     /// This driver's share of a step's samples: the step's microbatches dealt out over the
     /// drivers (the first stage's replicas) in key order, so that together they start the
     /// global batch and no more.
@@ -1927,6 +1932,8 @@ impl Peer {
         (mine * rows) as f64
     }
 
+    /// Samples committed or in flight toward the round being collected, over the stage's
+    /// replicas as known from their progress messages.
     fn claimed_samples(&self) -> f64 {
         let round = self.collecting_round();
         let others: f64 = self
