@@ -670,8 +670,8 @@ impl Sim {
     }
 
     fn report(mut self) -> Report {
+        // The loop stops when the last replica takes the last step, or at `max_sim_s`.
         let finished = self.done();
-        // Finished: the run ends when its last replica takes the last step.
         let end = self.now_s();
         // Ideal: every peer busy with nothing but forward and backward passes, all the time
         // it was present, as if it ran every stage of the model itself.
