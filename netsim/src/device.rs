@@ -92,14 +92,7 @@ pub const DEVICES: [DeviceProfile; 8] = [
 impl DeviceProfile {
     /// The preset called `name`.
     pub fn named(name: &str) -> Result<DeviceProfile, String> {
-        DEVICES
-            .iter()
-            .find(|d| d.name == name)
-            .copied()
-            .ok_or_else(|| {
-                let known: Vec<&str> = DEVICES.iter().map(|d| d.name).collect();
-                format!("unknown device '{name}' (known: {})", known.join(", "))
-            })
+        crate::preset(&DEVICES, name, "device", |d| d.name)
     }
 
     /// How long `job` takes on this device for a peer serving `stage`.

@@ -22,3 +22,20 @@ pub use report::Report;
 pub use scenario::{Scenario, Setup};
 pub use sim::{Progress, simulate};
 pub use worker::{StageWorker, model_of, stage_costs};
+
+/// The entry of a preset table called `name`, or an error that lists the known names.
+fn preset<T: Copy>(
+    table: &[T],
+    name: &str,
+    kind: &str,
+    name_of: impl Fn(&T) -> &'static str,
+) -> Result<T, String> {
+    table
+        .iter()
+        .find(|t| name_of(t) == name)
+        .copied()
+        .ok_or_else(|| {
+            let known: Vec<&str> = table.iter().map(&name_of).collect();
+            format!("unknown {kind} '{name}' (known: {})", known.join(", "))
+        })
+}

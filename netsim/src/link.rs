@@ -90,14 +90,7 @@ const PACKET: f64 = 1200.0;
 impl LinkProfile {
     /// The preset called `name`.
     pub fn named(name: &str) -> Result<LinkProfile, String> {
-        LINKS
-            .iter()
-            .find(|l| l.name == name)
-            .copied()
-            .ok_or_else(|| {
-                let known: Vec<&str> = LINKS.iter().map(|l| l.name).collect();
-                format!("unknown link '{name}' (known: {})", known.join(", "))
-            })
+        crate::preset(&LINKS, name, "link", |l| l.name)
     }
 }
 

@@ -273,13 +273,16 @@ impl Sim {
         Ok(self.report())
     }
 
-    /// Every live replica has taken the run's last step.
-    fn done(&self) -> bool {
-        let mut serving = self
-            .peers
+    /// Live peers serving a stage.
+    fn serving(&self) -> impl Iterator<Item = &SimPeer> {
+        self.peers
             .iter()
             .filter(|p| p.alive() && p.machine.is_serving())
-            .peekable();
+    }
+
+    /// Every live replica has taken the run's last step.
+    fn done(&self) -> bool {
+        let mut serving = self.serving().peekable();
         serving.peek().is_some() && serving.all(|p| p.machine.is_finished())
     }
 
@@ -474,13 +477,7 @@ impl Sim {
             }
         }
         if !disrupted.is_empty() {
-            let step = self
-                .peers
-                .iter()
-                .filter(|p| p.alive() && p.machine.is_serving())
-                .map(|p| p.machine.step())
-                .max()
-                .unwrap_or(0);
+            let step = self.serving().map(|p| p.machine.step()).max().unwrap_or(0);
             self.pending.push(Pending {
                 cause: format!("{} of {}", e.kind.name(), disrupted.len()),
                 at: now,
@@ -626,13 +623,7 @@ impl Sim {
     }
 
     fn check_recoveries(&mut self) {
-        let lowest = self
-            .peers
-            .iter()
-            .filter(|p| p.alive() && p.machine.is_serving())
-            .map(|p| p.machine.step())
-            .min()
-            .unwrap_or(0);
+        let lowest = self.serving().map(|p| p.machine.step()).min().unwrap_or(0);
         let now = self.now_s();
         let (done, waiting): (Vec<Pending>, Vec<Pending>) =
             self.pending.drain(..).partition(|p| lowest >= p.step);
