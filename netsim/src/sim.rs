@@ -569,12 +569,7 @@ impl Sim {
             let t = (t.as_nanos() as u64).max(self.now + 1_000);
             if p.timer.is_none_or(|cur| t < cur) {
                 p.timer = Some(t);
-                self.seq += 1;
-                self.queue.push(Scheduled {
-                    at: t,
-                    seq: self.seq,
-                    ev: Ev::Timer { peer: i },
-                });
+                self.schedule(t, Ev::Timer { peer: i });
             }
         }
     }
