@@ -26,6 +26,6 @@ pub use backend::{Backend, BackendError, CpuBackend};
 pub use config::{ModelConfig, Preset};
 pub use data::{Batch, Corpus, DataError, DataLoader, Shard};
 pub use optim::{AdamW, LrSchedule};
-pub use pipeline::{LocalPipeline, StepStats, Transit};
+pub use pipeline::{Coupling, LocalPipeline, StepStats, Transit};
 pub use replica::{ReplicaError, StageReplica, write_atomic};
 pub use stage::{MicrobatchId, Stage, StageError, StageSpec};

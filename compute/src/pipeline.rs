@@ -33,10 +33,22 @@ impl Transit for () {}
 pub struct StepStats {
     /// Mean loss over the step's samples (before the update).
     pub loss: f32,
-    /// Global gradient norm before clipping.
+    /// Gradient norm over all stages before clipping.
     pub grad_norm: f64,
     /// Learning rate used.
     pub lr: f32,
+}
+
+/// How the stages of a cut model share an optimizer step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Coupling {
+    /// One model, exactly: the tied embedding's gradient is summed over its two copies and
+    /// the gradient norm is clipped over all stages.
+    #[default]
+    Joint,
+    /// As a swarm trains it, where stages do not talk to each other at every step: each stage
+    /// clips its own gradient norm and trains its own copy of the tied embedding.
+    PerStage,
 }
 
 /// A model cut into stages that all run in this process, chained in order (GPipe-style: all
@@ -45,6 +57,7 @@ pub struct LocalPipeline<B: Backend> {
     stages: Vec<Stage<B>>,
     optimizer: AdamW,
     schedule: LrSchedule,
+    coupling: Coupling,
     step: u64,
 }
 
@@ -75,8 +88,14 @@ impl<B: Backend> LocalPipeline<B> {
             stages,
             optimizer,
             schedule,
+            coupling: Coupling::Joint,
             step: 0,
         })
+    }
+
+    /// Sets how the stages share a step (the default is [`Coupling::Joint`]).
+    pub fn set_coupling(&mut self, coupling: Coupling) {
+        self.coupling = coupling;
     }
 
     /// The stages, first to last.
@@ -94,9 +113,11 @@ impl<B: Backend> LocalPipeline<B> {
         self.step
     }
 
-    /// Unique parameters of the model (the tied embedding counted once).
+    /// Parameters trained (the tied embedding counted once unless each stage trains its own
+    /// copy).
     pub fn param_count(&self) -> usize {
         let tied_copy = match self.stages.as_slice() {
+            _ if self.coupling == Coupling::PerStage => 0,
             [_] | [] => 0,
             [.., last] => last
                 .tensors()
@@ -202,11 +223,28 @@ impl<B: Backend> LocalPipeline<B> {
                 s.upload_grads(&g)?;
             }
         }
-        let grad_norm = self.reduce_grads()?;
         let lr = self.schedule.lr(self.step);
-        let scale = self.optimizer.clip_scale(grad_norm);
+        let grad_norm = match self.coupling {
+            Coupling::Joint => {
+                let grad_norm = self.reduce_grads()?;
+                let scale = self.optimizer.clip_scale(grad_norm);
+                for s in &mut self.stages {
+                    s.apply_optimizer(&self.optimizer, lr, scale)?;
+                }
+                grad_norm
+            }
+            Coupling::PerStage => {
+                let mut total = 0.0;
+                for s in &mut self.stages {
+                    let squares = s.grad_sum_squares(true)?;
+                    total += squares;
+                    let scale = self.optimizer.clip_scale(squares.sqrt());
+                    s.apply_optimizer(&self.optimizer, lr, scale)?;
+                }
+                total.sqrt()
+            }
+        };
         for s in &mut self.stages {
-            s.apply_optimizer(&self.optimizer, lr, scale)?;
             s.zero_grads()?;
         }
         self.step += 1;

@@ -4,8 +4,8 @@
 
 use shoal_compute::stage::{MicrobatchShape, StageInput, StageOutput};
 use shoal_compute::{
-    AdamW, Batch, Corpus, CpuBackend, DataLoader, LrSchedule, Preset, ReplicaError, Shard, Stage,
-    StageError, StageReplica, StageSpec, write_atomic,
+    AdamW, Batch, Corpus, Coupling, CpuBackend, DataLoader, LocalPipeline, LrSchedule, Preset,
+    ReplicaError, Shard, Stage, StageError, StageReplica, StageSpec, write_atomic,
 };
 use std::sync::Arc;
 
@@ -203,6 +203,55 @@ fn committed_gradients_equal_plain_accumulation() {
     let expected = stage.download_grads().unwrap();
     let diff = rel_diff(&expected, &g);
     assert!(diff <= 1e-6, "relative difference {diff}");
+}
+
+/// `shoal train --coupling per-stage` is the single-process reference of a swarm: its steps
+/// must be the replicas' steps (each stage clipped alone, its own tied-embedding copy).
+#[test]
+fn a_per_stage_pipeline_steps_as_the_swarm_replicas_do() {
+    const STEPS: u64 = 3;
+    let mut replicas = pipeline(3, 9);
+    for s in 0..STEPS {
+        for id in [2 * s, 2 * s + 1] {
+            run(&mut replicas, id, &microbatch(id));
+            commit_all(&mut replicas, id);
+        }
+        step(&mut replicas);
+    }
+    let local = |coupling| {
+        let mut p = LocalPipeline::new(
+            Arc::new(CpuBackend::new(1).unwrap()),
+            Preset::Nano.config(),
+            3,
+            9,
+            AdamW::default(),
+            LrSchedule::for_steps(3e-3, 20),
+        )
+        .unwrap();
+        p.set_coupling(coupling);
+        let mut data = DataLoader::new(Corpus::synthetic(7), 7, Shard::ALL, SEQ).unwrap();
+        for _ in 0..STEPS {
+            p.train_step(&data.next_batch(2 * ROWS), ROWS).unwrap();
+        }
+        p.stages()
+            .iter()
+            .map(|s| s.download_params().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let per_stage = local(Coupling::PerStage);
+    for (i, r) in replicas.iter().enumerate() {
+        let diff = rel_diff(&per_stage[i], &r.stage().download_params().unwrap());
+        // Same operations; only the microbatch weighting (mean versus sum then divide) rounds
+        // differently.
+        assert!(diff <= 1e-5, "stage {i}: relative difference {diff}");
+    }
+    // The exact model (tied embedding, one clip) is another computation.
+    let joint = local(Coupling::Joint);
+    let diff = rel_diff(&joint[2], &replicas[2].stage().download_params().unwrap());
+    assert!(
+        diff > 1e-3,
+        "joint and per-stage steps should differ: {diff}"
+    );
 }
 
 #[test]

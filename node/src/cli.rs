@@ -240,9 +240,32 @@ pub struct TrainArgs {
     /// Peak learning rate (warmup then cosine decay to a tenth of it); default per preset.
     #[arg(long, value_parser = positive_f32)]
     pub lr: Option<f32>,
+    /// How the stages share a step: `joint` (one model: tied embedding, one gradient-norm
+    /// clip) or `per-stage` (as a swarm trains it: each stage clips its own gradient and
+    /// trains its own copy of the tied embedding).
+    #[arg(long, value_enum, default_value = "joint")]
+    pub coupling: CouplingArg,
     /// Write a JSON report here.
     #[arg(long)]
     pub report: Option<PathBuf>,
+}
+
+/// `--coupling` values.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum CouplingArg {
+    /// One model, exactly.
+    Joint,
+    /// As a swarm trains it.
+    PerStage,
+}
+
+impl From<CouplingArg> for shoal_compute::Coupling {
+    fn from(c: CouplingArg) -> Self {
+        match c {
+            CouplingArg::Joint => shoal_compute::Coupling::Joint,
+            CouplingArg::PerStage => shoal_compute::Coupling::PerStage,
+        }
+    }
 }
 
 #[derive(Debug, Args)]

@@ -72,6 +72,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         AdamW::default(),
         schedule,
     )?;
+    pipeline.set_coupling(args.coupling.into());
     let params = pipeline.param_count();
     let microbatch = args.microbatch.unwrap_or(args.batch).min(args.batch);
     println!(

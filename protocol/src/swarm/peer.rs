@@ -377,10 +377,13 @@ pub struct Peer {
     catching_up: Option<(PeerKey, u64, Duration)>,
     last_advance: Duration,
     stall_check: Option<Duration>,
+    /// Microbatches of a step this replica has not reached yet.
+    held_forwards: Vec<(PeerKey, Forward, Duration)>,
     /// A replica that just started serving waits this long before starting a round of its
     /// own, so that replicas starting together have heard of each other first.
     settle_until: Option<Duration>,
-    collecting_since: Duration,
+    /// When this replica last collected a sample for its round (or began collecting).
+    last_collected: Duration,
     starve_check: Option<Duration>,
     early_joins: Vec<(RoundKey, PeerKey)>,
     rtt: f64,
@@ -461,8 +464,9 @@ impl Peer {
             catching_up: None,
             last_advance: now,
             stall_check: None,
+            held_forwards: Vec::new(),
             settle_until: None,
-            collecting_since: now,
+            last_collected: now,
             starve_check: None,
             early_joins: Vec::new(),
             rtt: 0.0,
@@ -1380,6 +1384,7 @@ impl Peer {
         }
         self.local_step_queued = false;
         self.progress.clear();
+        self.held_forwards.clear();
         self.accum_samples = 0.0;
         self.losses = (0.0, 0.0);
         let live: Vec<u64> = self.routes.keys().copied().collect();
@@ -1439,6 +1444,7 @@ impl Peer {
         self.role = Role::Serving;
         self.stage = Some(stage);
         self.settle_until = Some(now + self.timing.announce_every);
+        self.release_held_forwards(now);
         // In DiLoCo transferred parameters are mid-round (the source's local ones); only
         // hashes taken right after a round are comparable between replicas.
         self.params_hash = (self.config.sync == SyncMode::AllReduce).then_some(hash);
@@ -1566,6 +1572,14 @@ impl Peer {
                 if self.local_step_queued {
                     break;
                 }
+                // The same for a driver's own microbatches: none for the next step until this
+                // one's averaged gradient is applied.
+                if self.config.sync == SyncMode::AllReduce
+                    && (self.averaging.as_ref().is_some_and(|r| r.contributed())
+                        || self.step_pending_round)
+                {
+                    break;
+                }
             }
             started = true;
             let microbatch = self.next_microbatch;
@@ -1607,6 +1621,18 @@ impl Peer {
             && !self.hops.contains_key(&f.id);
         if !ok {
             self.send(driver, Message::Reject { id: f.id });
+            return;
+        }
+        // Synchronous steps: a microbatch of a later step waits until this replica has taken
+        // the steps before it, so its gradient is computed on the parameters it will update
+        // (running it on older ones makes every gradient a step stale, which costs accuracy).
+        if self.config.sync == SyncMode::AllReduce && f.round > self.round {
+            if self.held_forwards.len() < MAX_HELD_FORWARDS {
+                self.held_forwards.push((from, f, now));
+                self.maybe_begin_round(now);
+            } else {
+                self.send(driver, Message::Reject { id: f.id });
+            }
             return;
         }
         let expect = self.activation_len(f.rows);
@@ -1875,6 +1901,7 @@ impl Peer {
         self.stats.microbatches_done += 1;
         self.event(Event::Committed { sample });
         self.accum_samples += rows as f64;
+        self.last_collected = now;
         self.rows_done += rows as f64;
         if let Some(l) = loss {
             self.losses.0 += l as f64 * rows as f64;
@@ -2016,24 +2043,33 @@ impl Peer {
                     .map(|p| p.1)
                     .sum();
                 let total = self.accum_samples + others;
-                // A stage that lost samples (a replica died with what it had collected)
-                // would wait forever for them: the drivers have moved on, and every sample
-                // they send counts at every stage alike. Once another stage is two rounds
-                // ahead, it closes its round with what it has, and catches up on the
-                // microbatches it holds for the next rounds.
+                // A stage that lost samples (a replica died with what it had collected, or
+                // re-synced) would wait forever for them: the drivers have moved on, and
+                // every sample they send counts at every stage alike. The evidence is a
+                // microbatch of the next step waiting here, or another stage two rounds
+                // ahead; once no sample has come for a while, the stage closes its round
+                // with what it has and goes on with the microbatches it holds.
                 let behind = self.members.iter().any(|(_, m)| {
                     m.announcement.state == MemberState::Serving
                         && m.announcement.stage != Some(stage)
                         && m.announcement.round > self.round + 1
                 });
-                let starving = behind
-                    && total > 0.0
-                    && now.saturating_sub(self.collecting_since) >= self.timing.join_window;
+                let next_waiting = self
+                    .held_forwards
+                    .iter()
+                    .filter(|(_, f, _)| f.round > self.round)
+                    .map(|(_, _, at)| *at)
+                    .min();
+                let evidence = next_waiting.is_some() || (behind && total > 0.0);
+                let since =
+                    next_waiting.map_or(self.last_collected, |t| t.max(self.last_collected));
+                let quiet = now.saturating_sub(since) >= self.timing.join_window;
+                let starving = evidence && quiet;
                 if total >= self.config.global_batch as f64 || starving {
                     self.starve_check = None;
                     self.begin_round(replicas, now);
-                } else if behind && total > 0.0 {
-                    self.starve_check = Some(self.collecting_since + self.timing.join_window);
+                } else if evidence {
+                    self.starve_check = Some(since + self.timing.join_window);
                 }
             }
             SyncMode::DiLoCo { h, .. } => {
@@ -2227,7 +2263,7 @@ impl Peer {
         match self.config.sync {
             SyncMode::AllReduce => {
                 self.accum_samples = 0.0;
-                self.collecting_since = now;
+                self.last_collected = now;
                 let loss = (self.losses.1 > 0.0).then_some(self.losses.0);
                 self.losses = (0.0, 0.0);
                 r.contribute(&values, samples, loss, now);
@@ -2243,6 +2279,18 @@ impl Peer {
         }
     }
 
+    /// Runs the held microbatches whose step this replica has reached.
+    fn release_held_forwards(&mut self, now: Duration) {
+        let round = self.round;
+        let (due, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.held_forwards)
+            .into_iter()
+            .partition(|(_, f, _)| f.round <= round);
+        self.held_forwards = keep;
+        for (from, f, _) in due {
+            self.on_forward(from, f, now);
+        }
+    }
+
     fn on_stepped(&mut self, hash: u64, now: Duration) {
         let from_round = self.step_pending_round;
         self.step_pending_round = false;
@@ -2255,6 +2303,7 @@ impl Peer {
                 group = self.round_group;
                 self.params_hash = Some(hash);
                 self.finish_round();
+                self.release_held_forwards(now);
             }
             SyncMode::DiLoCo { .. } if from_round => {
                 self.round += 1;
@@ -2358,6 +2407,9 @@ impl Peer {
         }
     }
 }
+
+/// Forwards of later steps a replica holds at most (each is a microbatch's activations).
+const MAX_HELD_FORWARDS: usize = 256;
 
 /// A swarm-unique id for an attempt (or a sample): a mix of the peer and a counter.
 fn attempt_id(me: PeerKey, n: u64) -> u64 {

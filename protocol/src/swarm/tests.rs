@@ -66,6 +66,12 @@ struct ToyStage {
     sample_of: HashMap<u64, u64>,
     pending: HashMap<u64, (Vec<f32>, u32)>,
     committed: Vec<u64>,
+    /// Optimizer steps taken; a microbatch's gradient is current if no step came between its
+    /// forward pass and its commit.
+    version: u64,
+    version_of: HashMap<u64, u64>,
+    /// Steps that took a gradient computed on parameters a step old or more.
+    stale: Vec<u64>,
 }
 
 fn hash(v: &[f32]) -> u64 {
@@ -126,6 +132,7 @@ impl ToyStage {
                     }
                 };
                 self.sample_of.insert(id, sample);
+                self.version_of.insert(id, self.version);
                 let n = rows as usize * ACTS_PER_ROW;
                 let mut acts = vec![0.0f32; n];
                 acts[0] = f32::from_bits(sample as u32);
@@ -154,6 +161,9 @@ impl ToyStage {
             }
             Job::Commit { id } => {
                 if let Some((g, rows)) = self.pending.remove(&id) {
+                    if self.version_of.get(&id) != Some(&self.version) {
+                        self.stale.push(self.version);
+                    }
                     self.accum.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
                     self.samples += rows as f64;
                     self.committed
@@ -184,6 +194,7 @@ impl ToyStage {
                     .iter_mut()
                     .zip(&grad)
                     .for_each(|(p, g)| *p -= 0.01 * g);
+                self.version += 1;
                 ComputeDone::Stepped {
                     hash: hash(&self.params),
                 }
@@ -487,6 +498,18 @@ fn a_swarm_trains_to_the_last_step_with_equal_replicas() {
         assert_eq!(h[0].0, 30);
     }
     s.assert_at_most_once();
+    // Two drivers feed the pipeline, and still no replica of any stage applied a gradient
+    // computed on parameters older than the ones it updated, once the swarm had formed (while
+    // peers arrive, a replica may take over microbatches already on their way).
+    const SETTLED: u64 = 8;
+    for (k, (_, toy, _)) in &s.peers {
+        let late = toy.stale.iter().filter(|v| **v > SETTLED).count();
+        assert_eq!(
+            late, 0,
+            "peer {k:?} (stage {}) stale at {:?}",
+            toy.stage, toy.stale
+        );
+    }
     // Every step averaged the global batch (at least 8 samples, 4 microbatches).
     let committed: usize = s
         .peers
