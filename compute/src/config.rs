@@ -102,7 +102,7 @@ impl ModelConfig {
         if self.vocab == 0 || self.context == 0 || self.width == 0 || self.layers == 0 {
             return Err("model dimensions must be positive".into());
         }
-        if self.heads == 0 || self.width % self.heads != 0 {
+        if self.heads == 0 || !self.width.is_multiple_of(self.heads) {
             return Err(format!(
                 "{} heads do not divide width {}",
                 self.heads, self.width

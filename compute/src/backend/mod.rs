@@ -14,10 +14,16 @@
 //!   flows through it), and always **accumulate** into parameter gradients, so microbatches
 //!   accumulate without extra passes.
 
+mod any;
 mod cpu;
 mod kernels;
+#[cfg(feature = "wgpu")]
+pub mod webgpu;
 
+pub use any::{AnyBackend, AnyBuffer, AnyTokens, BackendKind};
 pub use cpu::CpuBackend;
+#[cfg(feature = "wgpu")]
+pub use webgpu::WgpuBackend;
 
 use thiserror::Error;
 

@@ -2348,7 +2348,7 @@ impl Peer {
                 SyncMode::AllReduce => true,
                 SyncMode::DiLoCo { .. } => from_round,
             };
-            if boundary && (self.step % every == 0 || self.finished) {
+            if boundary && (self.step.is_multiple_of(every) || self.finished) {
                 self.enqueue(Job::Checkpoint {
                     step: self.step,
                     round: self.round,

@@ -121,7 +121,10 @@ impl Download {
             .checked_add(chunk.data.len())
             .ok_or(TransferError::OutOfPlace)?;
         let expected_len = (self.bytes.len() - offset.min(self.bytes.len())).min(CHUNK_BYTES);
-        if offset % CHUNK_BYTES != 0 || end > self.bytes.len() || chunk.data.len() != expected_len {
+        if !offset.is_multiple_of(CHUNK_BYTES)
+            || end > self.bytes.len()
+            || chunk.data.len() != expected_len
+        {
             return Err(TransferError::OutOfPlace);
         }
         if chunk.total > 0 && !self.filled[index] {

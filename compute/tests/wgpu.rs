@@ -1,0 +1,402 @@
+#![cfg(feature = "wgpu")]
+#![allow(clippy::unwrap_used, missing_docs)]
+//! The wgpu backend against the CPU reference: every operation on random inputs, then whole
+//! `nano` and `micro` stages (forward, backward, one AdamW step).
+//!
+//! Tolerances: the GPU sums in another order (tiled products, tree reductions) and its `exp`
+//! and `sqrt` may differ by an ulp or two, so results agree to float rounding, not bit for
+//! bit. Element-wise operations must match to 1e-5 relative to the largest value; products
+//! and reductions over up to a few thousand terms to 1e-4; a whole stage, whose errors pass
+//! through a dozen layers, to 2e-3 on activations and gradients and 1e-4 on parameters after a
+//! step, except weights whose gradient is within rounding noise of zero: AdamW's first step
+//! moves a weight by the learning rate times the sign of its gradient, and noise may flip it.
+//!
+//! These tests need a wgpu adapter. In CI it is Mesa's lavapipe (software Vulkan); where no
+//! adapter exists they fail, unless `SHOAL_SKIP_WGPU=1` says to skip them, which they report.
+
+use shoal_compute::backend::webgpu::WgpuBackend;
+use shoal_compute::backend::{AdamWUpdate, AttentionShape, MatmulShape, RowShape};
+use shoal_compute::rng::Rng;
+use shoal_compute::stage::{MicrobatchShape, StageInput, StageOutput};
+use shoal_compute::{AdamW, Backend, CpuBackend, Preset, Stage, StageSpec};
+use std::sync::{Arc, OnceLock};
+
+/// The wgpu backend, built once for the whole file (compiling the kernels takes a while on a
+/// software driver); `None` only when skipping was asked for.
+fn gpu() -> Option<&'static WgpuBackend> {
+    static GPU: OnceLock<Option<WgpuBackend>> = OnceLock::new();
+    GPU.get_or_init(|| match WgpuBackend::new(None) {
+        Ok(b) => {
+            eprintln!("wgpu tests run on {}", b.name());
+            Some(b)
+        }
+        Err(e) if std::env::var_os("SHOAL_SKIP_WGPU").is_some() => {
+            eprintln!("SKIPPED: wgpu tests did not run: {e} (SHOAL_SKIP_WGPU is set)");
+            None
+        }
+        Err(e) => panic!(
+            "no wgpu adapter: {e}. Install a Vulkan driver (Mesa's lavapipe: apt-get install \
+             mesa-vulkan-drivers libvulkan1) or set SHOAL_SKIP_WGPU=1 to skip these tests"
+        ),
+    })
+    .as_ref()
+}
+
+fn cpu() -> CpuBackend {
+    CpuBackend::new(2).unwrap()
+}
+
+fn randn(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| rng.normal() as f32 * scale).collect()
+}
+
+fn tokens(seed: u64, n: usize, vocab: u32) -> Vec<u32> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
+}
+
+fn down<B: Backend>(b: &B, buf: &B::Buffer) -> Vec<f32> {
+    let mut host = vec![0.0; b.len(buf)];
+    b.download(buf, &mut host).unwrap();
+    host
+}
+
+/// Largest absolute difference relative to the largest magnitude of the reference.
+fn rel_diff(reference: &[f32], other: &[f32]) -> f32 {
+    assert_eq!(reference.len(), other.len());
+    let scale = reference
+        .iter()
+        .fold(0f32, |m, x| m.max(x.abs()))
+        .max(1e-12);
+    reference
+        .iter()
+        .zip(other)
+        .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+        / scale
+}
+
+/// Runs `op` on the CPU and on wgpu and checks every output it returns.
+macro_rules! agree {
+    ($op:ident, $tol:expr) => {{
+        let Some(g) = gpu() else { return };
+        let reference = $op(&cpu());
+        let other = $op(g);
+        assert_eq!(reference.len(), other.len());
+        for (i, (r, o)) in reference.iter().zip(&other).enumerate() {
+            let d = rel_diff(r, o);
+            assert!(
+                d <= $tol,
+                "{}: output {i} differs by {d} (tolerance {})",
+                stringify!($op),
+                $tol
+            );
+            assert!(
+                o.iter().all(|v| v.is_finite()),
+                "{}: non-finite",
+                stringify!($op)
+            );
+        }
+    }};
+}
+
+fn elementwise<B: Backend>(b: &B) -> Vec<Vec<f32>> {
+    let n = 70_001; // not a multiple of the workgroup size
+    let x = b.upload(&randn(1, n, 2.0)).unwrap();
+    let y = b.upload(&randn(2, n, 1.0)).unwrap();
+    let mut out = b.alloc(n).unwrap();
+    let mut acc = b.upload(&randn(3, n, 1.0)).unwrap();
+    let mut gelu = b.alloc(n).unwrap();
+    let mut dgelu = b.alloc(n).unwrap();
+    let mut copied = b.alloc(n).unwrap();
+    let mut filled = b.alloc(n).unwrap();
+    b.residual_forward(&mut out, &x, &y).unwrap();
+    b.add_assign(&mut acc, &x).unwrap();
+    b.gelu_forward(&mut gelu, &x).unwrap();
+    b.gelu_backward(&mut dgelu, &x, &y).unwrap();
+    b.copy(&mut copied, &acc).unwrap();
+    b.fill(&mut filled, 0.375).unwrap();
+    let mut written = b.alloc(n).unwrap();
+    b.write(&mut written, &randn(4, n, 1.0)).unwrap();
+    let squares = b.sum_squares(&x).unwrap() as f32;
+    vec![
+        down(b, &out),
+        down(b, &acc),
+        down(b, &gelu),
+        down(b, &dgelu),
+        down(b, &copied),
+        down(b, &filled),
+        down(b, &written),
+        vec![squares],
+    ]
+}
+
+#[test]
+fn elementwise_operations_agree() {
+    agree!(elementwise, 1e-5);
+}
+
+fn adamw<B: Backend>(b: &B) -> Vec<Vec<f32>> {
+    let n = 5000;
+    let mut p = b.upload(&randn(5, n, 0.1)).unwrap();
+    let g = b.upload(&randn(6, n, 0.01)).unwrap();
+    let mut m = b.upload(&randn(7, n, 0.001)).unwrap();
+    let mut v = b
+        .upload(&randn(8, n, 0.001).iter().map(|x| x * x).collect::<Vec<_>>())
+        .unwrap();
+    let u = AdamWUpdate {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 3,
+        grad_scale: 0.5,
+    };
+    b.adamw(&mut p, &g, &mut m, &mut v, &u).unwrap();
+    vec![down(b, &p), down(b, &m), down(b, &v)]
+}
+
+#[test]
+fn adamw_agrees() {
+    agree!(adamw, 1e-5);
+}
+
+fn embedding<B: Backend>(b: &B) -> Vec<Vec<f32>> {
+    let (batch, seq, width, vocab) = (3, 17, 40, 50);
+    let toks = tokens(9, batch * seq, 12); // few distinct tokens: many collide in dwte
+    let t = b.upload_tokens(&toks).unwrap();
+    let wte = b.upload(&randn(10, vocab * width, 1.0)).unwrap();
+    let wpe = b.upload(&randn(11, 20 * width, 1.0)).unwrap();
+    let mut out = b.alloc(batch * seq * width).unwrap();
+    b.embedding_forward(&mut out, &t, &wte, &wpe, batch, seq, width)
+        .unwrap();
+    let dout = b.upload(&randn(12, batch * seq * width, 1.0)).unwrap();
+    let mut dwte = b.upload(&randn(13, vocab * width, 1.0)).unwrap();
+    let mut dwpe = b.upload(&randn(14, 20 * width, 1.0)).unwrap();
+    b.embedding_backward(&mut dwte, &mut dwpe, &dout, &t, batch, seq, width)
+        .unwrap();
+    vec![down(b, &out), down(b, &dwte), down(b, &dwpe)]
+}
+
+#[test]
+fn embedding_agrees() {
+    agree!(embedding, 1e-5);
+}
+
+fn layernorm<B: Backend>(b: &B) -> Vec<Vec<f32>> {
+    let s = RowShape {
+        rows: 37,
+        width: 300,
+    };
+    let n = s.rows * s.width;
+    let inp = b
+        .upload(
+            &randn(15, n, 3.0)
+                .iter()
+                .map(|x| x + 1.5)
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+    let w = b.upload(&randn(16, s.width, 1.0)).unwrap();
+    let bias = b.upload(&randn(17, s.width, 1.0)).unwrap();
+    let mut out = b.alloc(n).unwrap();
+    let mut mean = b.alloc(s.rows).unwrap();
+    let mut rstd = b.alloc(s.rows).unwrap();
+    b.layernorm_forward(&mut out, &mut mean, &mut rstd, &inp, &w, &bias, s)
+        .unwrap();
+    let dout = b.upload(&randn(18, n, 1.0)).unwrap();
+    let mut dinp = b.upload(&randn(19, n, 1.0)).unwrap();
+    let mut dw = b.upload(&randn(20, s.width, 1.0)).unwrap();
+    let mut db = b.upload(&randn(21, s.width, 1.0)).unwrap();
+    b.layernorm_backward(
+        &mut dinp, &mut dw, &mut db, &dout, &inp, &w, &mean, &rstd, s,
+    )
+    .unwrap();
+    vec![
+        down(b, &out),
+        down(b, &mean),
+        down(b, &rstd),
+        down(b, &dinp),
+        down(b, &dw),
+        down(b, &db),
+    ]
+}
+
+#[test]
+fn layernorm_agrees() {
+    agree!(layernorm, 1e-4);
+}
+
+fn matmul<B: Backend>(b: &B) -> Vec<Vec<f32>> {
+    // Sizes that are not multiples of the 64x64 tiles or the 16-wide k slices.
+    let s = MatmulShape {
+        rows: 97,
+        input: 83,
+        output: 130,
+    };
+    let inp = b.upload(&randn(22, s.rows * s.input, 1.0)).unwrap();
+    let w = b.upload(&randn(23, s.output * s.input, 0.1)).unwrap();
+    let bias = b.upload(&randn(24, s.output, 1.0)).unwrap();
+    let mut out = b.alloc(s.rows * s.output).unwrap();
+    let mut plain = b.alloc(s.rows * s.output).unwrap();
+    b.matmul_forward(&mut out, &inp, &w, Some(&bias), s)
+        .unwrap();
+    b.matmul_forward(&mut plain, &inp, &w, None, s).unwrap();
+    let dout = b.upload(&randn(25, s.rows * s.output, 1.0)).unwrap();
+    let mut dinp = b.alloc(s.rows * s.input).unwrap();
+    let mut dw = b.upload(&randn(26, s.output * s.input, 1.0)).unwrap();
+    let mut db = b.upload(&randn(27, s.output, 1.0)).unwrap();
+    b.matmul_backward(&mut dinp, &mut dw, Some(&mut db), &dout, &inp, &w, s)
+        .unwrap();
+    vec![
+        down(b, &out),
+        down(b, &plain),
+        down(b, &dinp),
+        down(b, &dw),
+        down(b, &db),
+    ]
+}
+
+#[test]
+fn matmul_agrees() {
+    agree!(matmul, 1e-4);
+}
+
+fn attention<B: Backend>(b: &B) -> Vec<Vec<f32>> {
+    let s = AttentionShape {
+        batch: 2,
+        seq: 19,
+        width: 48,
+        heads: 3,
+    };
+    let n = s.batch * s.seq * s.width;
+    let qkv = b.upload(&randn(28, 3 * n, 1.0)).unwrap();
+    let mut out = b.alloc(n).unwrap();
+    let mut probs = b.alloc(s.probs_len()).unwrap();
+    b.attention_forward(&mut out, &mut probs, &qkv, s).unwrap();
+    let dout = b.upload(&randn(29, n, 1.0)).unwrap();
+    let mut dqkv = b.alloc(3 * n).unwrap();
+    let mut scratch = b.alloc(s.probs_len()).unwrap();
+    b.attention_backward(&mut dqkv, &mut scratch, &dout, &qkv, &probs, s)
+        .unwrap();
+    vec![down(b, &out), down(b, &probs), down(b, &dqkv)]
+}
+
+#[test]
+fn attention_agrees() {
+    agree!(attention, 1e-4);
+}
+
+fn cross_entropy<B: Backend>(b: &B) -> Vec<Vec<f32>> {
+    let s = RowShape {
+        rows: 23,
+        width: 1000,
+    };
+    let t = b
+        .upload_tokens(&tokens(30, s.rows, s.width as u32))
+        .unwrap();
+    let mut logits = b.upload(&randn(31, s.rows * s.width, 4.0)).unwrap();
+    let mut losses = b.alloc(s.rows).unwrap();
+    b.softmax_cross_entropy_forward(&mut logits, &mut losses, &t, s)
+        .unwrap();
+    let probs = down(b, &logits);
+    b.softmax_cross_entropy_backward(&mut logits, &t, s, 0.25)
+        .unwrap();
+    vec![probs, down(b, &losses), down(b, &logits)]
+}
+
+#[test]
+fn cross_entropy_agrees() {
+    agree!(cross_entropy, 1e-5);
+}
+
+const LR: f32 = 1e-3;
+
+/// Forward, backward and one AdamW step of stage `spec` of `preset`: the output (activations
+/// or loss), the input gradient, the parameter gradients and the parameters after the step.
+fn stage_step<B: Backend>(backend: Arc<B>, preset: Preset, spec: StageSpec) -> Vec<Vec<f32>> {
+    let config = preset.config();
+    let mut stage = Stage::new(backend, config, spec, 42).unwrap();
+    let shape = MicrobatchShape { batch: 2, seq: 32 };
+    let rows = shape.batch * shape.seq;
+    let toks = tokens(32, rows, config.vocab as u32);
+    let targets = tokens(33, rows, config.vocab as u32);
+    let acts = randn(34, rows * config.width, 1.0);
+    let input = if spec.is_first() {
+        StageInput::Tokens(&toks)
+    } else {
+        StageInput::Activations(&acts)
+    };
+    let out = match stage.forward(7, shape, input, Some(&targets)).unwrap() {
+        StageOutput::Activations(a) => a,
+        StageOutput::Loss(l) => vec![l],
+    };
+    let last = spec.index + 1 == spec.count;
+    let dout = (!last).then(|| randn(35, rows * config.width, 0.01));
+    let dinp = stage
+        .backward(7, dout.as_deref(), 1.0)
+        .unwrap()
+        .unwrap_or_default();
+    let grads = stage.download_grads().unwrap();
+    stage.apply_optimizer(&AdamW::default(), LR, 1.0).unwrap();
+    vec![out, dinp, grads, stage.download_params().unwrap()]
+}
+
+fn check_stage(preset: Preset, spec: StageSpec) {
+    let Some(g) = gpu() else { return };
+    // The test owns the backend only through the static; Stage wants an Arc.
+    let gpu_backend = Arc::new(WgpuBackend::new(Some(g.adapter().index)).unwrap());
+    let reference = stage_step(Arc::new(cpu()), preset, spec);
+    let other = stage_step(gpu_backend, preset, spec);
+    let names = ["output", "input gradient", "parameter gradients"];
+    for (i, name) in names.iter().enumerate() {
+        let d = rel_diff(&reference[i], &other[i]);
+        assert!(
+            d <= 2e-3,
+            "{preset} stage {}/{}: {name} differ by {d} (tolerance 2e-3)",
+            spec.index,
+            spec.count,
+        );
+    }
+    // AdamW's first step moves every weight by the learning rate times the sign of its
+    // gradient, so a gradient within rounding noise of zero may flip the move: such weights
+    // may differ by up to twice the learning rate; every other one must agree closely.
+    let (grads, before, after) = (&reference[2], &reference[3], &other[3]);
+    let gscale = grads.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let pscale = before.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let mut flipped = 0;
+    for ((g, p), q) in grads.iter().zip(before).zip(after) {
+        let d = (p - q).abs();
+        if d <= 1e-4 * pscale {
+            continue;
+        }
+        assert!(
+            g.abs() <= 1e-4 * gscale && d <= 2.0 * LR * 1.001,
+            "{preset} stage {}/{}: a weight with gradient {g} moved to {q} instead of {p}",
+            spec.index,
+            spec.count,
+        );
+        flipped += 1;
+    }
+    assert!(
+        flipped * 1000 <= before.len(),
+        "{flipped} of {} weights flipped",
+        before.len()
+    );
+}
+
+#[test]
+fn nano_stages_agree() {
+    for index in 0..3 {
+        check_stage(Preset::Nano, StageSpec { index, count: 3 });
+    }
+    check_stage(Preset::Nano, StageSpec::WHOLE);
+}
+
+#[test]
+fn micro_stages_agree() {
+    for index in 0..3 {
+        check_stage(Preset::Micro, StageSpec { index, count: 3 });
+    }
+}
