@@ -22,7 +22,7 @@ pub mod replica;
 pub mod rng;
 pub mod stage;
 
-pub use backend::{AnyBackend, Backend, BackendError, BackendKind, CpuBackend};
+pub use backend::{AnyBackend, Backend, BackendChoice, BackendError, CpuBackend};
 pub use config::{ModelConfig, Preset};
 pub use data::{Batch, Corpus, DataError, DataLoader, Shard};
 pub use optim::{AdamW, LrSchedule};

@@ -12,7 +12,7 @@
 //! the outer Nesterov momentum), and can write its whole state as bytes for a joining peer or a
 //! checkpoint.
 
-use crate::backend::Backend;
+use crate::backend::{AdamWUpdate, Backend, kernels};
 use crate::config::ModelConfig;
 use crate::optim::{AdamW, LrSchedule};
 use crate::stage::{
@@ -228,17 +228,57 @@ impl<B: Backend> StageReplica<B> {
     /// so they clip alike without talking to other stages), learning rate from the schedule at
     /// the current step, AdamW. Returns the parameter hash after the step.
     ///
+    /// The step runs on the host, in one fixed order of f32 operations, whatever the backend:
+    /// replicas on different backends (a GPU's fused multiply-adds and reduction order differ
+    /// from the CPU's) then take bit-identical steps from identical inputs, so their parameter
+    /// hashes keep agreeing. It costs a download and an upload of the parameters and AdamW's
+    /// moments per step, the size of the averaging traffic a step already carries.
+    ///
     /// Gradients still pending were computed on the old parameters; the caller decides
     /// whether they may still be committed.
     pub fn apply_step(&mut self, grad: &[f32]) -> Result<u64, StageError> {
         self.check_len(grad.len())?;
-        self.stage.upload_grads(grad)?;
-        let grad_norm = self.stage.grad_sum_squares(true)?.sqrt();
-        let lr = self.schedule.lr(self.stage.optimizer_steps());
+        let grad_norm = grad
+            .iter()
+            .map(|g| *g as f64 * *g as f64)
+            .sum::<f64>()
+            .sqrt();
+        let steps = self.stage.optimizer_steps() + 1;
+        let lr = self.schedule.lr(steps - 1);
         let scale = self.optimizer.clip_scale(grad_norm);
-        self.stage.apply_optimizer(&self.optimizer, lr, scale)?;
-        self.stage.zero_grads()?;
-        self.param_hash()
+        let mut params = self.stage.download_params()?;
+        let (mut m, mut v) = self.stage.download_optimizer_state()?;
+        let mut at = 0;
+        for info in self.stage.tensors() {
+            let range = at..at + info.len;
+            at += info.len;
+            let update = AdamWUpdate {
+                lr,
+                beta1: self.optimizer.beta1,
+                beta2: self.optimizer.beta2,
+                eps: self.optimizer.eps,
+                weight_decay: if info.decay {
+                    self.optimizer.weight_decay
+                } else {
+                    0.0
+                },
+                step: steps,
+                grad_scale: scale,
+            };
+            let (bc1, bc2) = update.bias_corrections();
+            kernels::adamw(
+                &mut params[range.clone()],
+                &grad[range.clone()],
+                &mut m[range.clone()],
+                &mut v[range],
+                &update,
+                bc1,
+                bc2,
+            );
+        }
+        self.stage.upload_params(&params)?;
+        self.stage.upload_optimizer_state(&m, &v, steps)?;
+        Ok(hash_f32s(&params))
     }
 
     /// DiLoCo pseudo-gradient of the current outer round: anchor minus current parameters.

@@ -400,3 +400,72 @@ fn micro_stages_agree() {
         check_stage(Preset::Micro, StageSpec { index, count: 3 });
     }
 }
+
+/// Forward, backward and commit of microbatch `id` (tokens and output gradient drawn from
+/// it); returns the replica's mean gradient.
+fn mean_gradient<B: Backend>(
+    r: &mut shoal_compute::StageReplica<B>,
+    id: u64,
+    shape: MicrobatchShape,
+) -> Vec<f32> {
+    let config = Preset::Nano.config();
+    let rows = shape.batch * shape.seq;
+    let toks = tokens(40 + id, rows, config.vocab as u32);
+    r.forward(id, shape, StageInput::Tokens(&toks), None)
+        .unwrap();
+    let dout = randn(50 + id, rows * config.width, 0.01);
+    r.backward(id, Some(&dout), shape.batch as f32).unwrap();
+    assert!(r.commit(id));
+    let (g, samples) = r.take_gradient();
+    g.iter().map(|x| x / samples as f32).collect()
+}
+
+/// The policy that lets replicas on different backends train one stage: their forward and
+/// backward passes differ in rounding, but they step with the same averaged gradient, and the
+/// step itself runs in one canonical way, so their parameters stay bit-identical (and their
+/// hashes, which the swarm compares, agree).
+#[test]
+fn replicas_on_cpu_and_wgpu_take_bit_identical_steps() {
+    use shoal_compute::{LrSchedule, StageReplica};
+    let Some(g) = gpu() else { return };
+    let config = Preset::Nano.config();
+    let spec = StageSpec { index: 0, count: 2 };
+    let schedule = LrSchedule::for_steps(3e-3, 10);
+    let mut on_cpu = StageReplica::new(
+        Arc::new(cpu()),
+        config,
+        spec,
+        5,
+        AdamW::default(),
+        schedule,
+    )
+    .unwrap();
+    let mut on_gpu = StageReplica::new(
+        Arc::new(WgpuBackend::new(Some(g.adapter().index)).unwrap()),
+        config,
+        spec,
+        5,
+        AdamW::default(),
+        schedule,
+    )
+    .unwrap();
+    assert_eq!(on_cpu.param_hash().unwrap(), on_gpu.param_hash().unwrap());
+    let shape = MicrobatchShape { batch: 2, seq: 32 };
+    for step in 0..3u64 {
+        let grads = [
+            mean_gradient(&mut on_cpu, step * 2, shape),
+            mean_gradient(&mut on_gpu, step * 2 + 1, shape),
+        ];
+        // Different backends, different microbatches: the gradients differ.
+        assert_ne!(grads[0], grads[1]);
+        let avg: Vec<f32> = grads[0]
+            .iter()
+            .zip(&grads[1])
+            .map(|(a, b)| (a + b) / 2.0)
+            .collect();
+        let a = on_cpu.apply_step(&avg).unwrap();
+        let b = on_gpu.apply_step(&avg).unwrap();
+        assert_eq!(a, b, "step {step}: replicas on cpu and wgpu diverged");
+        assert_eq!(b, on_gpu.param_hash().unwrap());
+    }
+}

@@ -6,7 +6,9 @@
 
 use shoal_compute::replica::StageReplica;
 use shoal_compute::stage::{MicrobatchShape, StageInput, StageOutput};
-use shoal_compute::{AdamW, Corpus, CpuBackend, LrSchedule, ModelConfig, Preset, StageSpec};
+use shoal_compute::{
+    AdamW, Backend, Corpus, CpuBackend, LrSchedule, ModelConfig, Preset, StageSpec,
+};
 use shoal_protocol::swarm::{ComputeDone, Input, Job, Output, RunConfig, StageCosts, Timing};
 use std::sync::Arc;
 
@@ -50,22 +52,18 @@ pub fn stage_costs(config: &RunConfig, model: &ModelConfig, timing: &Timing) -> 
 
 /// Runs one peer's compute jobs. Checkpoint jobs are the owner's (they write files) and are
 /// answered `Done` here.
-pub struct StageWorker {
+pub struct StageWorker<B: Backend = CpuBackend> {
     config: RunConfig,
     model: ModelConfig,
-    backend: Arc<CpuBackend>,
+    backend: Arc<B>,
     corpus: Option<Corpus>,
-    replica: Option<StageReplica<CpuBackend>>,
+    replica: Option<StageReplica<B>>,
 }
 
-impl StageWorker {
+impl<B: Backend> StageWorker<B> {
     /// A worker for `config` on `backend`; `corpus` is the run's data (None: this peer cannot
     /// drive microbatches).
-    pub fn new(
-        config: RunConfig,
-        backend: Arc<CpuBackend>,
-        corpus: Option<Corpus>,
-    ) -> Result<Self, String> {
+    pub fn new(config: RunConfig, backend: Arc<B>, corpus: Option<Corpus>) -> Result<Self, String> {
         let model = model_of(&config)?;
         Ok(StageWorker {
             config,
@@ -77,7 +75,7 @@ impl StageWorker {
     }
 
     /// A fresh replica of `stage`, initialised from the run's seed.
-    pub fn build(&self, stage: u32) -> Result<StageReplica<CpuBackend>, String> {
+    pub fn build(&self, stage: u32) -> Result<StageReplica<B>, String> {
         let spec = StageSpec {
             index: stage as usize,
             count: self.config.stages as usize,
@@ -105,11 +103,11 @@ impl StageWorker {
     }
 
     /// The replica served now, if any.
-    pub fn replica(&self) -> Option<&StageReplica<CpuBackend>> {
+    pub fn replica(&self) -> Option<&StageReplica<B>> {
         self.replica.as_ref()
     }
 
-    fn serving(&mut self) -> Result<&mut StageReplica<CpuBackend>, String> {
+    fn serving(&mut self) -> Result<&mut StageReplica<B>, String> {
         self.replica.as_mut().ok_or_else(|| "no stage yet".into())
     }
 

@@ -4,16 +4,15 @@
 use crate::cli::{BenchCodecArgs, BenchComputeArgs};
 use serde::Serialize;
 use shoal_compute::{
-    AdamW, Backend, Corpus, CpuBackend, DataLoader, LocalPipeline, LrSchedule, Shard,
+    AdamW, AnyBackend, Backend, Corpus, DataLoader, LocalPipeline, LrSchedule, Preset, Shard,
 };
 use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Debug, Serialize)]
-struct ComputeBench {
+pub struct ComputeBench {
     preset: String,
-    backend: String,
-    threads: usize,
+    pub backend: String,
     batch: usize,
     context: usize,
     seq: usize,
@@ -24,28 +23,38 @@ struct ComputeBench {
     tokens_per_s: f64,
     /// Model FLOPs per second: 6 per weight per token plus attention (see
     /// `ModelConfig::train_flops_per_token`).
-    gflops: f64,
+    pub gflops: f64,
 }
 
-pub fn compute(args: BenchComputeArgs) -> anyhow::Result<()> {
-    let config = args.preset.config();
-    let seq = args.seq.unwrap_or(config.context).min(config.context);
-    let backend = Arc::new(CpuBackend::new(args.threads)?);
+/// Times `steps` training steps (after `warmup` untimed ones) of the whole `preset` model on
+/// `backend`, `batch` samples of `seq` tokens each.
+pub fn measure(
+    backend: Arc<AnyBackend>,
+    preset: Preset,
+    batch: usize,
+    seq: Option<usize>,
+    warmup: usize,
+    steps: usize,
+) -> anyhow::Result<ComputeBench> {
+    let config = preset.config();
+    let seq = seq.unwrap_or(config.context).min(config.context);
     let mut pipeline = LocalPipeline::new(
         backend.clone(),
         config,
         1,
         1,
         AdamW::default(),
-        LrSchedule::for_steps(3e-4, (args.warmup + args.steps) as u64),
+        LrSchedule::for_steps(3e-4, (warmup + steps) as u64),
     )?;
     let mut loader = DataLoader::new(Corpus::synthetic(1), 1, Shard::ALL, seq)?;
-    let mut times = Vec::with_capacity(args.steps);
-    for i in 0..args.warmup + args.steps {
-        let batch = loader.next_batch(args.batch);
+    let mut times = Vec::with_capacity(steps);
+    for i in 0..warmup + steps {
+        let data = loader.next_batch(batch);
         let start = Instant::now();
-        pipeline.train_step(&batch, args.batch)?;
-        if i >= args.warmup {
+        // What a step leaves queued on a GPU (the optimizer update) runs before the next
+        // step's first read-back, so in steady state each timed step pays for one step.
+        pipeline.train_step(&data, batch)?;
+        if i >= warmup {
             times.push(start.elapsed().as_secs_f64() * 1e3);
         }
     }
@@ -55,21 +64,32 @@ pub fn compute(args: BenchComputeArgs) -> anyhow::Result<()> {
     } else {
         (times[times.len() / 2 - 1] + times[times.len() / 2]) / 2.0
     };
-    let tokens = (args.batch * seq) as f64;
-    let result = ComputeBench {
-        preset: args.preset.to_string(),
-        backend: "cpu".into(),
-        threads: backend.threads(),
-        batch: args.batch,
+    let tokens = (batch * seq) as f64;
+    Ok(ComputeBench {
+        preset: preset.to_string(),
+        backend: backend.name(),
+        batch,
         context: config.context,
         seq,
         params: config.params(),
-        steps: args.steps,
+        steps,
         step_ms_median: median,
         step_ms_min: times[0],
         tokens_per_s: tokens / (median / 1e3),
         gflops: config.train_flops_per_token(seq) * tokens / (median / 1e3) / 1e9,
-    };
+    })
+}
+
+pub fn compute(args: BenchComputeArgs) -> anyhow::Result<()> {
+    let backend = Arc::new(args.device.open()?);
+    let result = measure(
+        backend,
+        args.preset,
+        args.batch,
+        args.seq,
+        args.warmup,
+        args.steps,
+    )?;
     if args.json {
         println!("{}", serde_json::to_string(&result)?);
     } else {
@@ -77,8 +97,8 @@ pub fn compute(args: BenchComputeArgs) -> anyhow::Result<()> {
             "{} batch {} x {} on {}: {:.1} ms/step median ({:.1} min), {:.0} tokens/s, {:.1} GFLOP/s",
             result.preset,
             result.batch,
-            seq,
-            backend.name(),
+            result.seq,
+            result.backend,
             result.step_ms_median,
             result.step_ms_min,
             result.tokens_per_s,

@@ -25,6 +25,43 @@ pub enum Command {
     Bench(BenchCommand),
     /// Simulate a swarm on this machine from a scenario file, reproducibly from a seed.
     Netsim(NetsimArgs),
+    /// List the compute backends and adapters of this machine.
+    Devices(DevicesArgs),
+}
+
+/// Where a stage's compute runs.
+#[derive(Debug, Args)]
+pub struct DeviceArgs {
+    /// Compute backend: auto (a GPU through wgpu if there is one, else the CPU), cpu or wgpu.
+    #[arg(long, default_value = "auto")]
+    pub backend: shoal_compute::BackendChoice,
+    /// The wgpu adapter to use, by its number in `shoal devices` (default: the best one).
+    #[arg(long)]
+    pub adapter: Option<usize>,
+    /// CPU backend worker threads (0: one per core).
+    #[arg(long, default_value = "0")]
+    pub threads: usize,
+}
+
+impl DeviceArgs {
+    /// Opens the backend these arguments name.
+    pub fn open(&self) -> anyhow::Result<shoal_compute::AnyBackend> {
+        Ok(shoal_compute::AnyBackend::open(
+            self.backend,
+            self.adapter,
+            self.threads,
+        )?)
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct DevicesArgs {
+    /// Also measure each backend: GFLOP/s of a training step of one stage of --preset.
+    #[arg(long)]
+    pub bench: bool,
+    /// Model size the measurement trains.
+    #[arg(long, default_value = "micro")]
+    pub preset: Preset,
 }
 
 #[derive(Debug, Args)]
@@ -131,9 +168,8 @@ pub struct RunArgs {
     /// Write a JSON report here on exit.
     #[arg(long)]
     pub report: Option<PathBuf>,
-    /// Worker threads for compute (0: one per core).
-    #[arg(long, default_value = "0")]
-    pub threads: usize,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// The key file of this peer's identity (created on first run, owner-only).
     #[arg(long)]
     pub identity: Option<PathBuf>,
@@ -234,9 +270,8 @@ pub struct TrainArgs {
     /// Seed of the model initialisation and of the data order.
     #[arg(long, default_value = "1")]
     pub seed: u64,
-    /// Worker threads (0: one per core).
-    #[arg(long, default_value = "0")]
-    pub threads: usize,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// Peak learning rate (warmup then cosine decay to a tenth of it); default per preset.
     #[arg(long, value_parser = positive_f32)]
     pub lr: Option<f32>,
@@ -276,9 +311,8 @@ pub struct BenchComputeArgs {
     /// Samples per step.
     #[arg(long, default_value = "8", value_parser = positive)]
     pub batch: usize,
-    /// Worker threads (0: one per core).
-    #[arg(long, default_value = "0")]
-    pub threads: usize,
+    #[command(flatten)]
+    pub device: DeviceArgs,
     /// Timed steps (the median is reported).
     #[arg(long, default_value = "10", value_parser = positive)]
     pub steps: usize,

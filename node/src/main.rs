@@ -7,6 +7,7 @@
 mod bench;
 mod bench_net;
 mod cli;
+mod devices;
 mod netsim;
 mod node;
 mod report;
@@ -50,6 +51,7 @@ fn main() -> ExitCode {
         cli::Command::Bench(cli::BenchCommand::Codec(a)) => bench::codec(a),
         cli::Command::Bench(cli::BenchCommand::Net(a)) => bench_net::net(a),
         cli::Command::Netsim(a) => netsim::run(a),
+        cli::Command::Devices(a) => devices::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -10,7 +10,7 @@ use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
 use serde::{Deserialize, Serialize};
 use shoal_compute::data::TextCorpus;
-use shoal_compute::{Corpus, CpuBackend, replica::write_atomic};
+use shoal_compute::{AnyBackend, Corpus, replica::write_atomic};
 use shoal_netsim::{StageWorker, model_of, stage_costs};
 use shoal_node::net::{self, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
@@ -31,6 +31,8 @@ use tokio::sync::mpsc;
 struct RunReport {
     run_id: String,
     peer_id: String,
+    /// The compute backend this peer ran its stage on.
+    backend: String,
     preset: String,
     sync: String,
     stage: Option<u32>,
@@ -141,7 +143,7 @@ fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
 
 /// The compute thread's state: the stage worker, and where checkpoints go.
 struct Worker {
-    stage: StageWorker,
+    stage: StageWorker<AnyBackend>,
     config: RunConfig,
     checkpoint_dir: Option<PathBuf>,
 }
@@ -360,7 +362,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     if let Some(c) = &corpus {
         c.check_seq(config.seq as usize)?;
     }
-    let backend = Arc::new(CpuBackend::new(args.threads)?);
+    let backend = Arc::new(args.device.open()?);
+    let backend_name = shoal_compute::Backend::name(&*backend);
+    println!("compute: {backend_name}");
     let mut worker = Worker {
         stage: StageWorker::new(config.clone(), backend, corpus).map_err(anyhow::Error::msg)?,
         config: config.clone(),
@@ -584,6 +588,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         let report = RunReport {
             run_id: run_id.to_string(),
             peer_id: handle.peer_id.to_string(),
+            backend: backend_name.clone(),
             preset: config.preset.clone(),
             sync: config.sync.to_string(),
             stage: peer.stage(),

@@ -6,9 +6,7 @@ use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use shoal_compute::data::TextCorpus;
-use shoal_compute::{
-    AdamW, Corpus, CpuBackend, DataLoader, LocalPipeline, LrSchedule, Shard, StageSpec,
-};
+use shoal_compute::{AdamW, Corpus, DataLoader, LocalPipeline, LrSchedule, Shard, StageSpec};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -59,7 +57,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let loss_floor = corpus.loss_floor(seq);
     let data_name = corpus.describe();
     let mut loader = DataLoader::new(corpus, args.seed, Shard::ALL, seq)?;
-    let backend = Arc::new(CpuBackend::new(args.threads)?);
+    let backend = Arc::new(args.device.open()?);
     let schedule = LrSchedule::for_steps(
         args.lr.unwrap_or(args.preset.default_lr()),
         args.steps as u64,

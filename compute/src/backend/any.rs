@@ -7,13 +7,39 @@ use super::BackendError;
 use super::webgpu::{WgpuBackend, WgpuBuffer, WgpuTokens};
 use super::{AdamWUpdate, AttentionShape, Backend, CpuBackend, MatmulShape, Result, RowShape};
 
-/// Which backend `auto` would pick, or one asked for by name.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BackendKind {
+/// The backend a user asks for (`--backend`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// A GPU through wgpu if there is one (discrete before integrated), else the CPU. Software
+    /// adapters such as lavapipe are left out: the CPU backend is faster than them.
+    #[default]
+    Auto,
     /// The host CPU.
     Cpu,
-    /// A GPU through wgpu (Vulkan, Metal, DirectX 12).
+    /// A GPU through wgpu (Vulkan, Metal, DirectX 12), or a software adapter if that is all.
     Wgpu,
+}
+
+impl std::str::FromStr for BackendChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(BackendChoice::Auto),
+            "cpu" => Ok(BackendChoice::Cpu),
+            "wgpu" => Ok(BackendChoice::Wgpu),
+            other => Err(format!("unknown backend {other:?} (auto, cpu or wgpu)")),
+        }
+    }
+}
+
+impl std::fmt::Display for BackendChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendChoice::Auto => "auto",
+            BackendChoice::Cpu => "cpu",
+            BackendChoice::Wgpu => "wgpu",
+        })
+    }
 }
 
 /// One of the backends this build has.
@@ -119,13 +145,39 @@ impl AnyBackend {
         }
     }
 
-    /// Which backend this is.
-    pub fn kind(&self) -> BackendKind {
-        match self {
-            AnyBackend::Cpu(_) => BackendKind::Cpu,
-            #[cfg(feature = "wgpu")]
-            AnyBackend::Wgpu(_) => BackendKind::Wgpu,
+    /// The backend `choice` names: for wgpu, adapter `adapter` (see `shoal devices`) or the
+    /// best one; `threads` sizes the CPU backend (0: one per core).
+    pub fn open(choice: BackendChoice, adapter: Option<usize>, threads: usize) -> Result<Self> {
+        match choice {
+            BackendChoice::Cpu => Self::cpu(threads),
+            BackendChoice::Wgpu => Self::wgpu(adapter),
+            BackendChoice::Auto => {
+                #[cfg(feature = "wgpu")]
+                {
+                    use super::webgpu::{AdapterKind, adapters};
+                    let gpu = adapters()
+                        .into_iter()
+                        .filter(|a| {
+                            matches!(a.kind, AdapterKind::Discrete | AdapterKind::Integrated)
+                        })
+                        .min_by_key(|a| a.kind);
+                    if let Some(a) = gpu.filter(|_| adapter.is_none()) {
+                        if let Ok(b) = Self::wgpu(Some(a.index)) {
+                            return Ok(b);
+                        }
+                    }
+                    if adapter.is_some() {
+                        return Self::wgpu(adapter);
+                    }
+                }
+                Self::cpu(threads)
+            }
         }
+    }
+
+    /// Whether this is the CPU backend.
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, AnyBackend::Cpu(_))
     }
 }
 

@@ -754,8 +754,7 @@ impl Backend for CpuBackend {
         check(grad, n, "adamw grad");
         check(m, n, "adamw m");
         check(v, n, "adamw v");
-        let bc1 = 1.0 - u.beta1.powi(u.step.min(i32::MAX as u64) as i32);
-        let bc2 = 1.0 - u.beta2.powi(u.step.min(i32::MAX as u64) as i32);
+        let (bc1, bc2) = u.bias_corrections();
         self.run(|| {
             param
                 .par_chunks_mut(VALUES_PER_TASK)

@@ -16,11 +16,11 @@
 
 mod any;
 mod cpu;
-mod kernels;
+pub(crate) mod kernels;
 #[cfg(feature = "wgpu")]
 pub mod webgpu;
 
-pub use any::{AnyBackend, AnyBuffer, AnyTokens, BackendKind};
+pub use any::{AnyBackend, AnyBuffer, AnyTokens, BackendChoice};
 pub use cpu::CpuBackend;
 #[cfg(feature = "wgpu")]
 pub use webgpu::WgpuBackend;
@@ -116,6 +116,14 @@ pub struct AdamWUpdate {
     pub step: u64,
     /// Factor applied to the gradient first (gradient clipping, averaging).
     pub grad_scale: f32,
+}
+
+impl AdamWUpdate {
+    /// The bias corrections `1 - beta1^t` and `1 - beta2^t` of this step.
+    pub fn bias_corrections(&self) -> (f32, f32) {
+        let t = self.step.min(i32::MAX as u64) as i32;
+        (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t))
+    }
 }
 
 /// A compute device that can run every operation of a GPT stage.

@@ -1183,8 +1183,7 @@ impl Backend for WgpuBackend {
         check(grad, n, "adamw grad");
         check(m, n, "adamw m");
         check(v, n, "adamw v");
-        let bc1 = 1.0 - u.beta1.powi(u.step.min(i32::MAX as u64) as i32);
-        let bc2 = 1.0 - u.beta2.powi(u.step.min(i32::MAX as u64) as i32);
+        let (bc1, bc2) = u.bias_corrections();
         self.dispatch(
             &self.kernels.adamw,
             &[
