@@ -431,15 +431,8 @@ fn replicas_on_cpu_and_wgpu_take_bit_identical_steps() {
     let config = Preset::Nano.config();
     let spec = StageSpec { index: 0, count: 2 };
     let schedule = LrSchedule::for_steps(3e-3, 10);
-    let mut on_cpu = StageReplica::new(
-        Arc::new(cpu()),
-        config,
-        spec,
-        5,
-        AdamW::default(),
-        schedule,
-    )
-    .unwrap();
+    let mut on_cpu =
+        StageReplica::new(Arc::new(cpu()), config, spec, 5, AdamW::default(), schedule).unwrap();
     let mut on_gpu = StageReplica::new(
         Arc::new(WgpuBackend::new(Some(g.adapter().index)).unwrap()),
         config,
