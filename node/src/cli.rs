@@ -32,12 +32,13 @@ pub enum Command {
 /// Where a stage's compute runs.
 #[derive(Debug, Args)]
 pub struct DeviceArgs {
-    /// Compute backend: auto (a GPU through wgpu if there is one, else the CPU), cpu or wgpu.
+    /// Compute backend: auto (CUDA, else a GPU through wgpu, else the CPU), cpu, wgpu or cuda.
     #[arg(long, default_value = "auto")]
     pub backend: shoal_compute::BackendChoice,
-    /// The wgpu adapter to use, by its number in `shoal devices` (default: the best one).
+    /// The wgpu adapter or CUDA device to use, by its number in `shoal devices` (default: the
+    /// best adapter, CUDA device 0).
     #[arg(long)]
-    pub adapter: Option<usize>,
+    pub device: Option<usize>,
     /// CPU backend worker threads (0: one per core).
     #[arg(long, default_value = "0")]
     pub threads: usize,
@@ -48,7 +49,7 @@ impl DeviceArgs {
     pub fn open(&self) -> anyhow::Result<shoal_compute::AnyBackend> {
         Ok(shoal_compute::AnyBackend::open(
             self.backend,
-            self.adapter,
+            self.device,
             self.threads,
         )?)
     }

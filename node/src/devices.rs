@@ -36,6 +36,24 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
     if args.bench {
         bench(&args, AnyBackend::cpu(0).map_err(Into::into));
     }
+    match shoal_compute::backend::CudaBackend::devices() {
+        Err(e) => println!("cuda: not available ({e})"),
+        Ok(devices) if devices.is_empty() => println!("cuda: no device"),
+        Ok(devices) => {
+            let missing = shoal_compute::backend::cuda::missing_libraries();
+            for (i, (name, memory)) in devices.into_iter().enumerate() {
+                println!(
+                    "cuda device {i}: {name}, {} (backend `cuda --device {i}`)",
+                    gib(memory as u64)
+                );
+                if !missing.is_empty() {
+                    println!("    unusable: not found: {}", missing.join(", "));
+                } else if args.bench {
+                    bench(&args, AnyBackend::cuda(i).map_err(Into::into));
+                }
+            }
+        }
+    }
     {
         let adapters = shoal_compute::backend::webgpu::adapters();
         if adapters.is_empty() {
@@ -46,7 +64,7 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
         }
         for a in adapters {
             println!(
-                "wgpu adapter {}: {} ({}, {}, {}), driver {}, largest buffer {} (backend `wgpu --adapter {}`)",
+                "wgpu adapter {}: {} ({}, {}, {}), driver {}, largest buffer {} (backend `wgpu --device {}`)",
                 a.index,
                 a.name,
                 a.vendor,

@@ -1,8 +1,10 @@
 //! [`AnyBackend`]: the backend chosen at run time (`--backend`), behind the same [`Backend`]
 //! trait, so that the model, the swarm worker and the commands are written once.
 
-#[cfg(not(feature = "wgpu"))]
+#[cfg(any(not(feature = "wgpu"), not(feature = "cuda")))]
 use super::BackendError;
+#[cfg(feature = "cuda")]
+use super::cuda::{CudaBackend, CudaBuffer, CudaTokens};
 #[cfg(feature = "wgpu")]
 use super::webgpu::{WgpuBackend, WgpuBuffer, WgpuTokens};
 use super::{AdamWUpdate, AttentionShape, Backend, CpuBackend, MatmulShape, Result, RowShape};
@@ -10,14 +12,17 @@ use super::{AdamWUpdate, AttentionShape, Backend, CpuBackend, MatmulShape, Resul
 /// The backend a user asks for (`--backend`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum BackendChoice {
-    /// A GPU through wgpu if there is one (discrete before integrated), else the CPU. Software
-    /// adapters such as lavapipe are left out: the CPU backend is faster than them.
+    /// An NVIDIA GPU through CUDA if there is one, else a GPU through wgpu (discrete before
+    /// integrated), else the CPU. Software adapters such as lavapipe are left out: the CPU
+    /// backend is faster than them.
     #[default]
     Auto,
     /// The host CPU.
     Cpu,
     /// A GPU through wgpu (Vulkan, Metal, DirectX 12), or a software adapter if that is all.
     Wgpu,
+    /// An NVIDIA GPU through CUDA.
+    Cuda,
 }
 
 impl std::str::FromStr for BackendChoice {
@@ -27,7 +32,10 @@ impl std::str::FromStr for BackendChoice {
             "auto" => Ok(BackendChoice::Auto),
             "cpu" => Ok(BackendChoice::Cpu),
             "wgpu" => Ok(BackendChoice::Wgpu),
-            other => Err(format!("unknown backend {other:?} (auto, cpu or wgpu)")),
+            "cuda" => Ok(BackendChoice::Cuda),
+            other => Err(format!(
+                "unknown backend {other:?} (auto, cpu, wgpu or cuda)"
+            )),
         }
     }
 }
@@ -38,6 +46,7 @@ impl std::fmt::Display for BackendChoice {
             BackendChoice::Auto => "auto",
             BackendChoice::Cpu => "cpu",
             BackendChoice::Wgpu => "wgpu",
+            BackendChoice::Cuda => "cuda",
         })
     }
 }
@@ -49,6 +58,9 @@ pub enum AnyBackend {
     /// wgpu.
     #[cfg(feature = "wgpu")]
     Wgpu(Box<WgpuBackend>),
+    /// CUDA.
+    #[cfg(feature = "cuda")]
+    Cuda(Box<CudaBackend>),
 }
 
 /// A buffer of an [`AnyBackend`]; it belongs to the backend that made it.
@@ -58,6 +70,9 @@ pub enum AnyBuffer {
     /// A wgpu storage buffer.
     #[cfg(feature = "wgpu")]
     Wgpu(WgpuBuffer),
+    /// CUDA device memory.
+    #[cfg(feature = "cuda")]
+    Cuda(CudaBuffer),
 }
 
 /// Token ids of an [`AnyBackend`].
@@ -67,6 +82,9 @@ pub enum AnyTokens {
     /// A wgpu storage buffer.
     #[cfg(feature = "wgpu")]
     Wgpu(WgpuTokens),
+    /// CUDA device memory.
+    #[cfg(feature = "cuda")]
+    Cuda(CudaTokens),
 }
 
 const MIXED: &str = "a buffer was passed to a backend other than the one that made it";
@@ -104,6 +122,10 @@ inner!(AnyTokens, Cpu, Vec<u32>);
 inner!(AnyBuffer, Wgpu, WgpuBuffer);
 #[cfg(feature = "wgpu")]
 inner!(AnyTokens, Wgpu, WgpuTokens);
+#[cfg(feature = "cuda")]
+inner!(AnyBuffer, Cuda, CudaBuffer);
+#[cfg(feature = "cuda")]
+inner!(AnyTokens, Cuda, CudaTokens);
 
 /// Calls `$method` on the active backend with each argument unwrapped to its buffer type:
 /// `r` a buffer or tokens by reference, `m` by mutable reference, `o` an optional buffer,
@@ -114,6 +136,8 @@ macro_rules! forward {
             AnyBackend::Cpu(b) => b.$method($( forward!(@ $kind $arg) ),*),
             #[cfg(feature = "wgpu")]
             AnyBackend::Wgpu(b) => b.$method($( forward!(@ $kind $arg) ),*),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => b.$method($( forward!(@ $kind $arg) ),*),
         }
     };
     (@ r $a:expr) => { Inner::inner($a) };
@@ -145,13 +169,37 @@ impl AnyBackend {
         }
     }
 
-    /// The backend `choice` names: for wgpu, adapter `adapter` (see `shoal devices`) or the
-    /// best one; `threads` sizes the CPU backend (0: one per core).
-    pub fn open(choice: BackendChoice, adapter: Option<usize>, threads: usize) -> Result<Self> {
+    /// The CUDA backend on device `ordinal`.
+    pub fn cuda(ordinal: usize) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        {
+            CudaBackend::new(ordinal).map(|b| AnyBackend::Cuda(Box::new(b)))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = ordinal;
+            Err(BackendError::Device {
+                backend: "cuda".into(),
+                message: "this build of shoal has no CUDA backend (feature `cuda`)".into(),
+            })
+        }
+    }
+
+    /// The backend `choice` names: `device` picks the wgpu adapter (see `shoal devices`) or
+    /// the CUDA device (default: the best adapter, CUDA device 0); `threads` sizes the CPU
+    /// backend (0: one per core).
+    pub fn open(choice: BackendChoice, device: Option<usize>, threads: usize) -> Result<Self> {
         match choice {
             BackendChoice::Cpu => Self::cpu(threads),
-            BackendChoice::Wgpu => Self::wgpu(adapter),
+            BackendChoice::Wgpu => Self::wgpu(device),
+            BackendChoice::Cuda => Self::cuda(device.unwrap_or(0)),
             BackendChoice::Auto => {
+                #[cfg(feature = "cuda")]
+                if CudaBackend::device_count() > 0 {
+                    if let Ok(b) = Self::cuda(0) {
+                        return Ok(b);
+                    }
+                }
                 #[cfg(feature = "wgpu")]
                 {
                     use super::webgpu::{AdapterKind, adapters};
@@ -161,13 +209,10 @@ impl AnyBackend {
                             matches!(a.kind, AdapterKind::Discrete | AdapterKind::Integrated)
                         })
                         .min_by_key(|a| a.kind);
-                    if let Some(a) = gpu.filter(|_| adapter.is_none()) {
+                    if let Some(a) = gpu {
                         if let Ok(b) = Self::wgpu(Some(a.index)) {
                             return Ok(b);
                         }
-                    }
-                    if adapter.is_some() {
-                        return Self::wgpu(adapter);
                     }
                 }
                 Self::cpu(threads)
@@ -194,6 +239,8 @@ impl Backend for AnyBackend {
             AnyBackend::Cpu(b) => b.alloc(len).map(AnyBuffer::Cpu),
             #[cfg(feature = "wgpu")]
             AnyBackend::Wgpu(b) => b.alloc(len).map(AnyBuffer::Wgpu),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => b.alloc(len).map(AnyBuffer::Cuda),
         }
     }
 
@@ -202,6 +249,8 @@ impl Backend for AnyBackend {
             AnyBackend::Cpu(b) => b.upload(host).map(AnyBuffer::Cpu),
             #[cfg(feature = "wgpu")]
             AnyBackend::Wgpu(b) => b.upload(host).map(AnyBuffer::Wgpu),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => b.upload(host).map(AnyBuffer::Cuda),
         }
     }
 
@@ -218,6 +267,8 @@ impl Backend for AnyBackend {
             AnyBackend::Cpu(b) => b.upload_tokens(tokens).map(AnyTokens::Cpu),
             #[cfg(feature = "wgpu")]
             AnyBackend::Wgpu(b) => b.upload_tokens(tokens).map(AnyTokens::Wgpu),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => b.upload_tokens(tokens).map(AnyTokens::Cuda),
         }
     }
 

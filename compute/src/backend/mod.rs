@@ -16,12 +16,16 @@
 
 mod any;
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub(crate) mod kernels;
 #[cfg(feature = "wgpu")]
 pub mod webgpu;
 
 pub use any::{AnyBackend, AnyBuffer, AnyTokens, BackendChoice};
 pub use cpu::CpuBackend;
+#[cfg(feature = "cuda")]
+pub use cuda::CudaBackend;
 #[cfg(feature = "wgpu")]
 pub use webgpu::WgpuBackend;
 

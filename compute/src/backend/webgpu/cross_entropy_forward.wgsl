@@ -29,6 +29,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
     if (li == 0u) {
         losses[row] = -log(max(logits[base + tgt] * inv, 1.17549435e-38));
     }
+    // Another thread scales the target's value below: thread 0 reads it first.
+    workgroupBarrier();
     for (var c = li; c < p.width; c = c + WG) {
         logits[base + c] = logits[base + c] * inv;
     }

@@ -1,0 +1,315 @@
+// Every operation of a stage that is not a matrix product (those go to cuBLAS), compiled at
+// run time by NVRTC. Semantics follow the CPU reference (compute/src/backend/cpu.rs);
+// element-wise kernels take one thread per value, row kernels one block of 256 per row.
+
+#define BLOCK 256
+#define SUM_BLOCK 4096
+
+// Sum of v over the block; every thread gets the result.
+__device__ float block_sum(float v, float* shared) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffff, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    float r = 0.0f;
+    if (threadIdx.x < BLOCK / 32) r = shared[threadIdx.x];
+    if (warp == 0) {
+        for (int o = 16; o > 0; o >>= 1) r += __shfl_down_sync(0xffffffff, r, o);
+        if (lane == 0) shared[0] = r;
+    }
+    __syncthreads();
+    r = shared[0];
+    __syncthreads();
+    return r;
+}
+
+// Maximum of v over the block; every thread gets the result.
+__device__ float block_max(float v, float* shared) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_down_sync(0xffffffff, v, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    float r = -3.4e38f;
+    if (threadIdx.x < BLOCK / 32) r = shared[threadIdx.x];
+    if (warp == 0) {
+        for (int o = 16; o > 0; o >>= 1) r = fmaxf(r, __shfl_down_sync(0xffffffff, r, o));
+        if (lane == 0) shared[0] = r;
+    }
+    __syncthreads();
+    r = shared[0];
+    __syncthreads();
+    return r;
+}
+
+__device__ unsigned int flat_index() {
+    return (blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+__device__ unsigned int row_index() {
+    return blockIdx.y * gridDim.x + blockIdx.x;
+}
+
+__device__ float exp_clamped(float x) {
+    return expf(fminf(fmaxf(x, -87.0f), 88.0f));
+}
+
+__device__ float tanh_ref(float u) {
+    return 1.0f - 2.0f / (exp_clamped(2.0f * u) + 1.0f);
+}
+
+extern "C" __global__ void fill(float* out, float value, unsigned int n) {
+    unsigned int i = flat_index();
+    if (i < n) out[i] = value;
+}
+
+extern "C" __global__ void add(float* out, const float* a, const float* b, unsigned int n) {
+    unsigned int i = flat_index();
+    if (i < n) out[i] = a[i] + b[i];
+}
+
+extern "C" __global__ void add_assign(float* acc, const float* x, unsigned int n) {
+    unsigned int i = flat_index();
+    if (i < n) acc[i] += x[i];
+}
+
+extern "C" __global__ void broadcast_rows(float* out, const float* row, unsigned int n,
+                                          unsigned int width) {
+    unsigned int i = flat_index();
+    if (i < n) out[i] = row[i % width];
+}
+
+extern "C" __global__ void sum_squares(float* partials, const float* x, unsigned int n) {
+    __shared__ float shared[32];
+    unsigned int block = row_index();
+    unsigned int start = block * SUM_BLOCK;
+    float acc = 0.0f;
+    for (unsigned int e = 0; e < SUM_BLOCK / BLOCK; e++) {
+        unsigned int i = start + e * BLOCK + threadIdx.x;
+        if (i < n) acc += x[i] * x[i];
+    }
+    float total = block_sum(acc, shared);
+    if (threadIdx.x == 0 && start < n) partials[block] = total;
+}
+
+#define GELU_SCALE 0.7978846f
+#define GELU_CUBE 0.044715f
+
+extern "C" __global__ void gelu_forward(float* out, const float* inp, unsigned int n) {
+    unsigned int i = flat_index();
+    if (i < n) {
+        float x = inp[i];
+        float u = GELU_SCALE * (x + GELU_CUBE * x * x * x);
+        out[i] = 0.5f * x * (1.0f + tanh_ref(u));
+    }
+}
+
+extern "C" __global__ void gelu_backward(float* dinp, const float* inp, const float* dout,
+                                         unsigned int n) {
+    unsigned int i = flat_index();
+    if (i < n) {
+        float x = inp[i];
+        float u = GELU_SCALE * (x + GELU_CUBE * x * x * x);
+        float th = tanh_ref(u);
+        float du = GELU_SCALE * (1.0f + 3.0f * GELU_CUBE * x * x);
+        dinp[i] = dout[i] * (0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du);
+    }
+}
+
+extern "C" __global__ void adamw(float* param, const float* grad, float* m, float* v,
+                                 unsigned int n, float lr, float beta1, float beta2, float eps,
+                                 float weight_decay, float bc1, float bc2, float grad_scale) {
+    unsigned int i = flat_index();
+    if (i < n) {
+        float g = grad[i] * grad_scale;
+        float mi = beta1 * m[i] + (1.0f - beta1) * g;
+        float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        m[i] = mi;
+        v[i] = vi;
+        float w = param[i];
+        param[i] = w - lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + weight_decay * w);
+    }
+}
+
+extern "C" __global__ void embedding_forward(float* out, const unsigned int* tokens,
+                                             const float* wte, const float* wpe, unsigned int n,
+                                             unsigned int seq, unsigned int width,
+                                             unsigned int vocab) {
+    unsigned int i = flat_index();
+    if (i < n) {
+        unsigned int row = i / width, c = i % width;
+        unsigned int tok = tokens[row];
+        float e = tok < vocab ? wte[(size_t)tok * width + c] : 0.0f;
+        out[i] = e + wpe[(row % seq) * width + c];
+    }
+}
+
+extern "C" __global__ void embedding_backward_wpe(float* dwpe, const float* dout, unsigned int n,
+                                                  unsigned int seq, unsigned int width,
+                                                  unsigned int batch) {
+    unsigned int i = flat_index();
+    if (i < n) {
+        float acc = dwpe[i];
+        for (unsigned int b = 0; b < batch; b++) acc += dout[(size_t)b * seq * width + i];
+        dwpe[i] = acc;
+    }
+}
+
+// One thread per column walks the positions in order: repeated tokens need no atomics and the
+// sum order is the CPU reference's.
+extern "C" __global__ void embedding_backward_wte(float* dwte, const float* dout,
+                                                  const unsigned int* tokens, unsigned int rows,
+                                                  unsigned int width, unsigned int vocab) {
+    unsigned int c = flat_index();
+    if (c < width) {
+        for (unsigned int i = 0; i < rows; i++) {
+            unsigned int tok = tokens[i];
+            if (tok < vocab) dwte[(size_t)tok * width + c] += dout[(size_t)i * width + c];
+        }
+    }
+}
+
+extern "C" __global__ void layernorm_forward(float* out, float* mean, float* rstd,
+                                             const float* inp, const float* weight,
+                                             const float* bias, unsigned int rows,
+                                             unsigned int width) {
+    __shared__ float shared[32];
+    unsigned int row = row_index();
+    if (row >= rows) return;
+    const float* x = inp + (size_t)row * width;
+    float s = 0.0f;
+    for (unsigned int c = threadIdx.x; c < width; c += BLOCK) s += x[c];
+    float mu = block_sum(s, shared) / width;
+    float q = 0.0f;
+    for (unsigned int c = threadIdx.x; c < width; c += BLOCK) {
+        float d = x[c] - mu;
+        q += d * d;
+    }
+    float rs = 1.0f / sqrtf(block_sum(q, shared) / width + 1e-5f);
+    float* o = out + (size_t)row * width;
+    for (unsigned int c = threadIdx.x; c < width; c += BLOCK)
+        o[c] = (x[c] - mu) * rs * weight[c] + bias[c];
+    if (threadIdx.x == 0) {
+        mean[row] = mu;
+        rstd[row] = rs;
+    }
+}
+
+extern "C" __global__ void layernorm_backward_input(float* dinp, const float* dout,
+                                                    const float* inp, const float* weight,
+                                                    const float* mean, const float* rstd,
+                                                    unsigned int rows, unsigned int width) {
+    __shared__ float shared[32];
+    unsigned int row = row_index();
+    if (row >= rows) return;
+    size_t base = (size_t)row * width;
+    float mu = mean[row], s = rstd[row];
+    float a1 = 0.0f, a2 = 0.0f;
+    for (unsigned int c = threadIdx.x; c < width; c += BLOCK) {
+        float dn = weight[c] * dout[base + c];
+        a1 += dn;
+        a2 += dn * (inp[base + c] - mu) * s;
+    }
+    float mean_dn = block_sum(a1, shared) / width;
+    float mean_dn_n = block_sum(a2, shared) / width;
+    for (unsigned int c = threadIdx.x; c < width; c += BLOCK) {
+        float dn = weight[c] * dout[base + c];
+        float n = (inp[base + c] - mu) * s;
+        dinp[base + c] += (dn - mean_dn - n * mean_dn_n) * s;
+    }
+}
+
+extern "C" __global__ void layernorm_backward_params(float* dweight, float* dbias,
+                                                     const float* dout, const float* inp,
+                                                     const float* mean, const float* rstd,
+                                                     unsigned int rows, unsigned int width) {
+    unsigned int c = flat_index();
+    if (c < width) {
+        float dw = 0.0f, db = 0.0f;
+        for (unsigned int r = 0; r < rows; r++) {
+            float g = dout[(size_t)r * width + c];
+            dw += g * (inp[(size_t)r * width + c] - mean[r]) * rstd[r];
+            db += g;
+        }
+        dweight[c] += dw;
+        dbias[c] += db;
+    }
+}
+
+extern "C" __global__ void column_sum(float* acc, const float* x, unsigned int rows,
+                                      unsigned int width) {
+    unsigned int j = flat_index();
+    if (j < width) {
+        float s = 0.0f;
+        for (unsigned int r = 0; r < rows; r++) s += x[(size_t)r * width + j];
+        acc[j] += s;
+    }
+}
+
+// Causal softmax in place: row i of each (sequence, head) block keeps its first i + 1 values.
+extern "C" __global__ void attention_softmax(float* probs, unsigned int rows, unsigned int seq) {
+    __shared__ float shared[32];
+    unsigned int row = row_index();
+    if (row >= rows) return;
+    float* p = probs + (size_t)row * seq;
+    unsigned int len = row % seq + 1;
+    float mx = -3.4e38f;
+    for (unsigned int c = threadIdx.x; c < len; c += BLOCK) mx = fmaxf(mx, p[c]);
+    float m = block_max(mx, shared);
+    float s = 0.0f;
+    for (unsigned int c = threadIdx.x; c < len; c += BLOCK) {
+        float e = exp_clamped(p[c] - m);
+        p[c] = e;
+        s += e;
+    }
+    float inv = 1.0f / block_sum(s, shared);
+    for (unsigned int c = threadIdx.x; c < seq; c += BLOCK) p[c] = c < len ? p[c] * inv : 0.0f;
+}
+
+extern "C" __global__ void attention_softmax_backward(float* d, const float* probs,
+                                                      unsigned int rows, unsigned int seq,
+                                                      float scale) {
+    __shared__ float shared[32];
+    unsigned int row = row_index();
+    if (row >= rows) return;
+    size_t base = (size_t)row * seq;
+    unsigned int len = row % seq + 1;
+    float s = 0.0f;
+    for (unsigned int c = threadIdx.x; c < len; c += BLOCK) s += probs[base + c] * d[base + c];
+    float total = block_sum(s, shared);
+    for (unsigned int c = threadIdx.x; c < seq; c += BLOCK)
+        d[base + c] = c < len ? probs[base + c] * (d[base + c] - total) * scale : 0.0f;
+}
+
+extern "C" __global__ void cross_entropy_forward(float* logits, float* losses,
+                                                 const unsigned int* targets, unsigned int rows,
+                                                 unsigned int width) {
+    __shared__ float shared[32];
+    unsigned int row = row_index();
+    if (row >= rows) return;
+    float* l = logits + (size_t)row * width;
+    float mx = -3.4e38f;
+    for (unsigned int c = threadIdx.x; c < width; c += BLOCK) mx = fmaxf(mx, l[c]);
+    float m = block_max(mx, shared);
+    float s = 0.0f;
+    for (unsigned int c = threadIdx.x; c < width; c += BLOCK) {
+        float e = exp_clamped(l[c] - m);
+        l[c] = e;
+        s += e;
+    }
+    float inv = 1.0f / block_sum(s, shared);
+    unsigned int tgt = min(targets[row], width - 1);
+    if (threadIdx.x == 0) losses[row] = -logf(fmaxf(l[tgt] * inv, 1.17549435e-38f));
+    __syncthreads();
+    for (unsigned int c = threadIdx.x; c < width; c += BLOCK) l[c] *= inv;
+}
+
+extern "C" __global__ void cross_entropy_backward(float* probs, const unsigned int* targets,
+                                                  unsigned int n, unsigned int width,
+                                                  float scale) {
+    unsigned int i = flat_index();
+    if (i < n) {
+        float v = probs[i];
+        if (i % width == targets[i / width]) v -= 1.0f;
+        probs[i] = v * scale;
+    }
+}

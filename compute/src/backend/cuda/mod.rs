@@ -1,0 +1,925 @@
+//! The CUDA backend, for NVIDIA GPUs: matrix products on cuBLAS, every other operation a
+//! kernel of [`KERNELS`] compiled by NVRTC when the backend starts.
+//!
+//! The driver, NVRTC and cuBLAS are loaded at run time (cudarc's dynamic loading), so the
+//! binary builds and runs on machines without them; [`CudaBackend::new`] checks that each
+//! library is present before the first call into it and otherwise returns an error naming the
+//! missing one (cudarc would panic on the call).
+//!
+//! Everything runs on one stream in order; the host waits only where it reads a result.
+//! Matrices are row-major as everywhere in shoal; cuBLAS is column-major, so a row-major
+//! product `C = op(A) op(B)` is issued as the column-major `Cᵀ = op(B)ᵀ op(A)ᵀ`, whose operands
+//! are the same memory read with the same leading dimensions.
+
+use super::{AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape};
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use std::sync::Arc;
+
+/// The CUDA C source of every kernel.
+pub const KERNELS: &str = include_str!("kernels.cu");
+
+/// Names of the kernels in [`KERNELS`].
+const KERNEL_NAMES: [&str; 19] = [
+    "fill",
+    "add",
+    "add_assign",
+    "broadcast_rows",
+    "sum_squares",
+    "gelu_forward",
+    "gelu_backward",
+    "adamw",
+    "embedding_forward",
+    "embedding_backward_wpe",
+    "embedding_backward_wte",
+    "layernorm_forward",
+    "layernorm_backward_input",
+    "layernorm_backward_params",
+    "column_sum",
+    "attention_softmax",
+    "attention_softmax_backward",
+    "cross_entropy_forward",
+    "cross_entropy_backward",
+];
+
+const BLOCK: u32 = 256;
+const SUM_BLOCK: usize = 4096;
+
+fn cuda_error(message: impl std::fmt::Display) -> BackendError {
+    BackendError::Device {
+        backend: "cuda".into(),
+        message: message.to_string(),
+    }
+}
+
+/// Which of the libraries the CUDA backend loads at run time are missing.
+pub fn missing_libraries() -> Vec<&'static str> {
+    let mut missing = Vec::new();
+    // SAFETY: these only try to open the shared libraries; nothing is called in them.
+    unsafe {
+        if !cudarc::driver::sys::is_culib_present() {
+            missing.push("the NVIDIA driver (libcuda)");
+        }
+        if !cudarc::nvrtc::sys::is_culib_present() {
+            missing.push("NVRTC (libnvrtc)");
+        }
+        if !cudarc::cublas::sys::is_culib_present() {
+            missing.push("cuBLAS (libcublas)");
+        }
+    }
+    missing
+}
+
+/// Compiles [`KERNELS`] with NVRTC; needs only the NVRTC library, no GPU.
+pub fn compile_kernels() -> Result<cudarc::nvrtc::Ptx> {
+    // SAFETY: only opens the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(cuda_error("NVRTC (libnvrtc) not found"));
+    }
+    cudarc::nvrtc::compile_ptx_with_opts(KERNELS, Default::default())
+        .map_err(|e| cuda_error(format!("compiling kernels: {e}")))
+}
+
+/// A device buffer of `f32` values.
+pub struct CudaBuffer {
+    data: CudaSlice<f32>,
+    len: usize,
+}
+
+/// Token ids on the device.
+pub struct CudaTokens {
+    data: CudaSlice<u32>,
+    len: usize,
+}
+
+/// Runs a stage on an NVIDIA GPU.
+pub struct CudaBackend {
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: Vec<(&'static str, CudaFunction)>,
+    name: String,
+}
+
+/// A row-major operand of a product: buffer, offset, leading dimension (row stride),
+/// transposed or not, and the stride between batch members.
+#[derive(Clone, Copy)]
+struct Operand {
+    off: usize,
+    ld: usize,
+    trans: bool,
+    stride: usize,
+}
+
+impl Operand {
+    fn plain(ld: usize) -> Self {
+        Operand {
+            off: 0,
+            ld,
+            trans: false,
+            stride: 0,
+        }
+    }
+    fn t(self) -> Self {
+        Operand {
+            trans: true,
+            ..self
+        }
+    }
+    fn at(self, off: usize) -> Self {
+        Operand { off, ..self }
+    }
+    fn batched(self, stride: usize) -> Self {
+        Operand { stride, ..self }
+    }
+    /// One past the last element read for a `rows x cols` operand (as op(X) has them) in
+    /// `batch` members.
+    fn extent(&self, rows: usize, cols: usize, batch: usize) -> usize {
+        if rows == 0 || cols == 0 || batch == 0 {
+            return self.off;
+        }
+        let (r, c) = if self.trans {
+            (cols, rows)
+        } else {
+            (rows, cols)
+        };
+        self.off + (batch - 1) * self.stride + (r - 1) * self.ld + c
+    }
+    fn op(&self) -> cublasOperation_t {
+        if self.trans {
+            cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cublasOperation_t::CUBLAS_OP_N
+        }
+    }
+}
+
+fn int(v: usize) -> i32 {
+    i32::try_from(v).expect("dimension over 2^31")
+}
+
+fn grid(groups: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (u32::try_from(groups.max(1)).expect("grid over 2^32"), 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn elementwise(n: usize) -> LaunchConfig {
+    grid(n.div_ceil(BLOCK as usize))
+}
+
+/// Launches kernel `$name` with `$cfg` and the given arguments.
+macro_rules! launch {
+    ($self:ident, $name:literal, $cfg:expr, $($arg:expr),* $(,)?) => {{
+        let f = $self.kernel($name);
+        let mut b = $self.stream.launch_builder(f);
+        $( b.arg($arg); )*
+        // SAFETY: each kernel's arguments are passed in its declared order and types, and
+        // every buffer was checked against the shape the kernel indexes with.
+        unsafe { b.launch($cfg) }.map(|_| ()).map_err(cuda_error)
+    }};
+}
+
+impl CudaBackend {
+    /// The CUDA device `ordinal`, after checking that the driver, NVRTC and cuBLAS libraries
+    /// are present.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let missing = missing_libraries();
+        if !missing.is_empty() {
+            return Err(cuda_error(format!("not found: {}", missing.join(", "))));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(cuda_error)?;
+        let name = ctx.name().map_err(cuda_error)?;
+        let stream = ctx.default_stream();
+        let ptx = compile_kernels()?;
+        let module = ctx.load_module(ptx).map_err(cuda_error)?;
+        let kernels = KERNEL_NAMES
+            .iter()
+            .map(|n| module.load_function(n).map(|f| (*n, f)))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(cuda_error)?;
+        let blas = CudaBlas::new(stream.clone()).map_err(cuda_error)?;
+        Ok(CudaBackend {
+            stream,
+            blas,
+            kernels,
+            name,
+        })
+    }
+
+    /// Number of CUDA devices (0 where the driver is missing).
+    pub fn device_count() -> usize {
+        // SAFETY: only opens the library.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return 0;
+        }
+        CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+    }
+
+    /// Name and memory of every CUDA device, by ordinal.
+    pub fn devices() -> Result<Vec<(String, usize)>> {
+        let missing = missing_libraries();
+        if missing.iter().any(|m| m.contains("driver")) {
+            return Err(cuda_error("the NVIDIA driver (libcuda) was not found"));
+        }
+        (0..Self::device_count())
+            .map(|i| {
+                let ctx = CudaContext::new(i).map_err(cuda_error)?;
+                Ok((
+                    ctx.name().map_err(cuda_error)?,
+                    ctx.total_mem().map_err(cuda_error)?,
+                ))
+            })
+            .collect()
+    }
+
+    fn kernel(&self, name: &str) -> &CudaFunction {
+        &self
+            .kernels
+            .iter()
+            .find(|(n, _)| *n == name)
+            .expect("kernel compiled at start")
+            .1
+    }
+
+    /// `C = alpha op(A) op(B) + beta C` for `batch` members, all row-major (see the module
+    /// docs for how this maps to cuBLAS).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        (m, n, k, batch): (usize, usize, usize, usize),
+        a: (&CudaBuffer, Operand),
+        b: (&CudaBuffer, Operand),
+        c: (&mut CudaBuffer, Operand),
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        let (ab, ao) = a;
+        let (bb, bo) = b;
+        let (cb, co) = c;
+        if m == 0 || n == 0 || batch == 0 {
+            return Ok(());
+        }
+        assert!(ao.extent(m, k, batch) <= ab.len, "gemm A out of bounds");
+        assert!(bo.extent(k, n, batch) <= bb.len, "gemm B out of bounds");
+        assert!(co.extent(m, n, batch) <= cb.len, "gemm C out of bounds");
+        let cfg = GemmConfig {
+            transa: bo.op(),
+            transb: ao.op(),
+            m: int(n),
+            n: int(m),
+            k: int(k),
+            alpha,
+            lda: int(bo.ld),
+            ldb: int(ao.ld),
+            beta,
+            ldc: int(co.ld),
+        };
+        let av = ab.data.slice(ao.off..);
+        let bv = bb.data.slice(bo.off..);
+        let mut cv = cb.data.slice_mut(co.off..);
+        // SAFETY: the extents of all three operands were checked against their buffers.
+        unsafe {
+            if batch == 1 {
+                self.blas.gemm(cfg, &bv, &av, &mut cv)
+            } else {
+                self.blas.gemm_strided_batched(
+                    StridedBatchedConfig {
+                        gemm: cfg,
+                        batch_size: int(batch),
+                        stride_a: bo.stride as i64,
+                        stride_b: ao.stride as i64,
+                        stride_c: co.stride as i64,
+                    },
+                    &bv,
+                    &av,
+                    &mut cv,
+                )
+            }
+        }
+        .map_err(cuda_error)
+    }
+}
+
+fn check(buf: &CudaBuffer, len: usize, what: &str) {
+    assert_eq!(
+        buf.len, len,
+        "{what}: buffer length {} != expected {len}",
+        buf.len
+    );
+}
+
+fn u(v: usize) -> u32 {
+    u32::try_from(v).expect("tensor over 2^32 values")
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+    type Tokens = CudaTokens;
+
+    fn name(&self) -> String {
+        format!("cuda ({})", self.name)
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaBuffer> {
+        let data =
+            self.stream
+                .alloc_zeros::<f32>(len.max(1))
+                .map_err(|_| BackendError::OutOfMemory {
+                    backend: self.name(),
+                    bytes: len * 4,
+                })?;
+        Ok(CudaBuffer { data, len })
+    }
+
+    fn upload(&self, host: &[f32]) -> Result<CudaBuffer> {
+        let mut b = self.alloc(host.len())?;
+        self.write(&mut b, host)?;
+        Ok(b)
+    }
+
+    fn write(&self, buf: &mut CudaBuffer, host: &[f32]) -> Result<()> {
+        if buf.len != host.len() {
+            return Err(BackendError::LengthMismatch {
+                device: buf.len,
+                host: host.len(),
+            });
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        let mut dst = buf.data.slice_mut(..host.len());
+        self.stream.memcpy_htod(host, &mut dst).map_err(cuda_error)
+    }
+
+    fn download(&self, buf: &CudaBuffer, host: &mut [f32]) -> Result<()> {
+        if buf.len != host.len() {
+            return Err(BackendError::LengthMismatch {
+                device: buf.len,
+                host: host.len(),
+            });
+        }
+        if host.is_empty() {
+            return Ok(());
+        }
+        let src = buf.data.slice(..host.len());
+        self.stream.memcpy_dtoh(&src, host).map_err(cuda_error)?;
+        self.stream.synchronize().map_err(cuda_error)
+    }
+
+    fn upload_tokens(&self, tokens: &[u32]) -> Result<CudaTokens> {
+        let mut data = self
+            .stream
+            .alloc_zeros::<u32>(tokens.len().max(1))
+            .map_err(cuda_error)?;
+        if !tokens.is_empty() {
+            let mut dst = data.slice_mut(..tokens.len());
+            self.stream
+                .memcpy_htod(tokens, &mut dst)
+                .map_err(cuda_error)?;
+        }
+        Ok(CudaTokens {
+            data,
+            len: tokens.len(),
+        })
+    }
+
+    fn len(&self, buf: &CudaBuffer) -> usize {
+        buf.len
+    }
+
+    fn fill(&self, buf: &mut CudaBuffer, value: f32) -> Result<()> {
+        let n = u(buf.len);
+        launch!(
+            self,
+            "fill",
+            elementwise(buf.len),
+            &mut buf.data,
+            &value,
+            &n
+        )
+    }
+
+    fn copy(&self, dst: &mut CudaBuffer, src: &CudaBuffer) -> Result<()> {
+        check(dst, src.len, "copy");
+        self.stream
+            .memcpy_dtod(&src.data, &mut dst.data)
+            .map_err(cuda_error)
+    }
+
+    fn add_assign(&self, acc: &mut CudaBuffer, x: &CudaBuffer) -> Result<()> {
+        check(acc, x.len, "add_assign");
+        let n = u(acc.len);
+        launch!(
+            self,
+            "add_assign",
+            elementwise(acc.len),
+            &mut acc.data,
+            &x.data,
+            &n
+        )
+    }
+
+    fn sum_squares(&self, buf: &CudaBuffer) -> Result<f64> {
+        let blocks = buf.len.div_ceil(SUM_BLOCK);
+        if blocks == 0 {
+            return Ok(0.0);
+        }
+        let mut partials = self.alloc(blocks)?;
+        let n = u(buf.len);
+        launch!(
+            self,
+            "sum_squares",
+            grid(blocks),
+            &mut partials.data,
+            &buf.data,
+            &n
+        )?;
+        let mut host = vec![0.0f32; blocks];
+        self.download(&partials, &mut host)?;
+        Ok(host.iter().map(|v| *v as f64).sum())
+    }
+
+    fn embedding_forward(
+        &self,
+        out: &mut CudaBuffer,
+        tokens: &CudaTokens,
+        wte: &CudaBuffer,
+        wpe: &CudaBuffer,
+        batch: usize,
+        seq: usize,
+        width: usize,
+    ) -> Result<()> {
+        check(out, batch * seq * width, "embedding out");
+        assert_eq!(tokens.len, batch * seq);
+        assert!(wpe.len >= seq * width);
+        let (n, s, w, v) = (u(out.len), u(seq), u(width), u(wte.len / width.max(1)));
+        launch!(
+            self,
+            "embedding_forward",
+            elementwise(out.len),
+            &mut out.data,
+            &tokens.data,
+            &wte.data,
+            &wpe.data,
+            &n,
+            &s,
+            &w,
+            &v
+        )
+    }
+
+    fn embedding_backward(
+        &self,
+        dwte: &mut CudaBuffer,
+        dwpe: &mut CudaBuffer,
+        dout: &CudaBuffer,
+        tokens: &CudaTokens,
+        batch: usize,
+        seq: usize,
+        width: usize,
+    ) -> Result<()> {
+        check(dout, batch * seq * width, "embedding dout");
+        assert_eq!(tokens.len, batch * seq);
+        assert!(dwpe.len >= seq * width);
+        let (n, s, w, b) = (u(seq * width), u(seq), u(width), u(batch));
+        launch!(
+            self,
+            "embedding_backward_wpe",
+            elementwise(seq * width),
+            &mut dwpe.data,
+            &dout.data,
+            &n,
+            &s,
+            &w,
+            &b
+        )?;
+        let (rows, vocab) = (u(batch * seq), u(dwte.len / width.max(1)));
+        launch!(
+            self,
+            "embedding_backward_wte",
+            elementwise(width),
+            &mut dwte.data,
+            &dout.data,
+            &tokens.data,
+            &rows,
+            &w,
+            &vocab
+        )
+    }
+
+    fn layernorm_forward(
+        &self,
+        out: &mut CudaBuffer,
+        mean: &mut CudaBuffer,
+        rstd: &mut CudaBuffer,
+        inp: &CudaBuffer,
+        weight: &CudaBuffer,
+        bias: &CudaBuffer,
+        s: RowShape,
+    ) -> Result<()> {
+        check(out, s.rows * s.width, "layernorm out");
+        check(inp, s.rows * s.width, "layernorm inp");
+        check(mean, s.rows, "layernorm mean");
+        check(rstd, s.rows, "layernorm rstd");
+        check(weight, s.width, "layernorm weight");
+        check(bias, s.width, "layernorm bias");
+        let (rows, width) = (u(s.rows), u(s.width));
+        launch!(
+            self,
+            "layernorm_forward",
+            grid(s.rows),
+            &mut out.data,
+            &mut mean.data,
+            &mut rstd.data,
+            &inp.data,
+            &weight.data,
+            &bias.data,
+            &rows,
+            &width
+        )
+    }
+
+    fn layernorm_backward(
+        &self,
+        dinp: &mut CudaBuffer,
+        dweight: &mut CudaBuffer,
+        dbias: &mut CudaBuffer,
+        dout: &CudaBuffer,
+        inp: &CudaBuffer,
+        weight: &CudaBuffer,
+        mean: &CudaBuffer,
+        rstd: &CudaBuffer,
+        s: RowShape,
+    ) -> Result<()> {
+        check(dinp, s.rows * s.width, "layernorm dinp");
+        check(dout, s.rows * s.width, "layernorm dout");
+        check(inp, s.rows * s.width, "layernorm inp");
+        check(dweight, s.width, "layernorm dweight");
+        check(dbias, s.width, "layernorm dbias");
+        check(mean, s.rows, "layernorm mean");
+        check(rstd, s.rows, "layernorm rstd");
+        let (rows, width) = (u(s.rows), u(s.width));
+        launch!(
+            self,
+            "layernorm_backward_input",
+            grid(s.rows),
+            &mut dinp.data,
+            &dout.data,
+            &inp.data,
+            &weight.data,
+            &mean.data,
+            &rstd.data,
+            &rows,
+            &width
+        )?;
+        launch!(
+            self,
+            "layernorm_backward_params",
+            elementwise(s.width),
+            &mut dweight.data,
+            &mut dbias.data,
+            &dout.data,
+            &inp.data,
+            &mean.data,
+            &rstd.data,
+            &rows,
+            &width
+        )
+    }
+
+    fn matmul_forward(
+        &self,
+        out: &mut CudaBuffer,
+        inp: &CudaBuffer,
+        weight: &CudaBuffer,
+        bias: Option<&CudaBuffer>,
+        s: MatmulShape,
+    ) -> Result<()> {
+        let (n, c, oc) = (s.rows, s.input, s.output);
+        check(out, n * oc, "matmul out");
+        check(inp, n * c, "matmul inp");
+        check(weight, oc * c, "matmul weight");
+        if let Some(bias) = bias {
+            check(bias, oc, "matmul bias");
+            let (len, width) = (u(out.len), u(oc));
+            launch!(
+                self,
+                "broadcast_rows",
+                elementwise(out.len),
+                &mut out.data,
+                &bias.data,
+                &len,
+                &width
+            )?;
+        }
+        // out(n x oc) = inp(n x c) · Wᵀ
+        self.gemm(
+            (n, oc, c, 1),
+            (inp, Operand::plain(c)),
+            (weight, Operand::plain(c).t()),
+            (out, Operand::plain(oc)),
+            1.0,
+            if bias.is_some() { 1.0 } else { 0.0 },
+        )
+    }
+
+    fn matmul_backward(
+        &self,
+        dinp: &mut CudaBuffer,
+        dweight: &mut CudaBuffer,
+        dbias: Option<&mut CudaBuffer>,
+        dout: &CudaBuffer,
+        inp: &CudaBuffer,
+        weight: &CudaBuffer,
+        s: MatmulShape,
+    ) -> Result<()> {
+        let (n, c, oc) = (s.rows, s.input, s.output);
+        check(dinp, n * c, "matmul dinp");
+        check(dweight, oc * c, "matmul dweight");
+        check(dout, n * oc, "matmul dout");
+        check(inp, n * c, "matmul inp");
+        // dinp(n x c) = dout(n x oc) · W(oc x c)
+        self.gemm(
+            (n, c, oc, 1),
+            (dout, Operand::plain(oc)),
+            (weight, Operand::plain(c)),
+            (dinp, Operand::plain(c)),
+            1.0,
+            0.0,
+        )?;
+        // dW(oc x c) += doutᵀ · inp
+        self.gemm(
+            (oc, c, n, 1),
+            (dout, Operand::plain(oc).t()),
+            (inp, Operand::plain(c)),
+            (dweight, Operand::plain(c)),
+            1.0,
+            1.0,
+        )?;
+        if let Some(dbias) = dbias {
+            check(dbias, oc, "matmul dbias");
+            let (rows, width) = (u(n), u(oc));
+            launch!(
+                self,
+                "column_sum",
+                elementwise(oc),
+                &mut dbias.data,
+                &dout.data,
+                &rows,
+                &width
+            )?;
+        }
+        Ok(())
+    }
+
+    fn attention_forward(
+        &self,
+        out: &mut CudaBuffer,
+        probs: &mut CudaBuffer,
+        qkv: &CudaBuffer,
+        s: AttentionShape,
+    ) -> Result<()> {
+        let (b, t, c, nh) = (s.batch, s.seq, s.width, s.heads);
+        let hs = c / nh;
+        check(out, b * t * c, "attention out");
+        check(probs, s.probs_len(), "attention probs");
+        check(qkv, b * t * 3 * c, "attention qkv");
+        let scale = 1.0 / (hs as f32).sqrt();
+        // One batched product per sequence, over its heads.
+        for bi in 0..b {
+            let q = Operand::plain(3 * c).at(bi * t * 3 * c).batched(hs);
+            let p = Operand::plain(t).at(bi * nh * t * t).batched(t * t);
+            // scores = Q Kᵀ · scale
+            self.gemm(
+                (t, t, hs, nh),
+                (qkv, q),
+                (qkv, q.at(q.off + c).t()),
+                (probs, p),
+                scale,
+                0.0,
+            )?;
+        }
+        let (rows, seq) = (u(b * nh * t), u(t));
+        launch!(
+            self,
+            "attention_softmax",
+            grid(b * nh * t),
+            &mut probs.data,
+            &rows,
+            &seq
+        )?;
+        for bi in 0..b {
+            let v = Operand::plain(3 * c).at(bi * t * 3 * c + 2 * c).batched(hs);
+            let p = Operand::plain(t).at(bi * nh * t * t).batched(t * t);
+            let o = Operand::plain(c).at(bi * t * c).batched(hs);
+            // out = P V
+            self.gemm((t, hs, t, nh), (probs, p), (qkv, v), (out, o), 1.0, 0.0)?;
+        }
+        Ok(())
+    }
+
+    fn attention_backward(
+        &self,
+        dqkv: &mut CudaBuffer,
+        scratch: &mut CudaBuffer,
+        dout: &CudaBuffer,
+        qkv: &CudaBuffer,
+        probs: &CudaBuffer,
+        s: AttentionShape,
+    ) -> Result<()> {
+        let (b, t, c, nh) = (s.batch, s.seq, s.width, s.heads);
+        let hs = c / nh;
+        check(dqkv, b * t * 3 * c, "attention dqkv");
+        check(scratch, s.probs_len(), "attention scratch");
+        check(dout, b * t * c, "attention dout");
+        check(probs, s.probs_len(), "attention probs");
+        let scale = 1.0 / (hs as f32).sqrt();
+        let blocks = |bi: usize| {
+            let q = Operand::plain(3 * c).at(bi * t * 3 * c).batched(hs);
+            (
+                q,
+                q.at(q.off + c),
+                q.at(q.off + 2 * c),
+                Operand::plain(t).at(bi * nh * t * t).batched(t * t),
+                Operand::plain(c).at(bi * t * c).batched(hs),
+            )
+        };
+        for bi in 0..b {
+            let (_, _, v, p, g) = blocks(bi);
+            // dP = dO Vᵀ; dV = Pᵀ dO
+            self.gemm(
+                (t, t, hs, nh),
+                (dout, g),
+                (qkv, v.t()),
+                (scratch, p),
+                1.0,
+                0.0,
+            )?;
+            self.gemm(
+                (t, hs, t, nh),
+                (probs, p.t()),
+                (dout, g),
+                (dqkv, v),
+                1.0,
+                0.0,
+            )?;
+        }
+        let (rows, seq) = (u(b * nh * t), u(t));
+        launch!(
+            self,
+            "attention_softmax_backward",
+            grid(b * nh * t),
+            &mut scratch.data,
+            &probs.data,
+            &rows,
+            &seq,
+            &scale
+        )?;
+        for bi in 0..b {
+            let (q, k, _, p, _) = blocks(bi);
+            // dQ = dS K; dK = dSᵀ Q
+            self.gemm((t, hs, t, nh), (scratch, p), (qkv, k), (dqkv, q), 1.0, 0.0)?;
+            self.gemm(
+                (t, hs, t, nh),
+                (scratch, p.t()),
+                (qkv, q),
+                (dqkv, k),
+                1.0,
+                0.0,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn gelu_forward(&self, out: &mut CudaBuffer, inp: &CudaBuffer) -> Result<()> {
+        check(out, inp.len, "gelu out");
+        let n = u(inp.len);
+        launch!(
+            self,
+            "gelu_forward",
+            elementwise(inp.len),
+            &mut out.data,
+            &inp.data,
+            &n
+        )
+    }
+
+    fn gelu_backward(
+        &self,
+        dinp: &mut CudaBuffer,
+        inp: &CudaBuffer,
+        dout: &CudaBuffer,
+    ) -> Result<()> {
+        check(dinp, inp.len, "gelu dinp");
+        check(dout, inp.len, "gelu dout");
+        let n = u(inp.len);
+        launch!(
+            self,
+            "gelu_backward",
+            elementwise(inp.len),
+            &mut dinp.data,
+            &inp.data,
+            &dout.data,
+            &n
+        )
+    }
+
+    fn residual_forward(&self, out: &mut CudaBuffer, a: &CudaBuffer, b: &CudaBuffer) -> Result<()> {
+        check(out, a.len, "residual out");
+        check(b, a.len, "residual b");
+        let n = u(a.len);
+        launch!(
+            self,
+            "add",
+            elementwise(a.len),
+            &mut out.data,
+            &a.data,
+            &b.data,
+            &n
+        )
+    }
+
+    fn softmax_cross_entropy_forward(
+        &self,
+        logits: &mut CudaBuffer,
+        losses: &mut CudaBuffer,
+        targets: &CudaTokens,
+        s: RowShape,
+    ) -> Result<()> {
+        check(logits, s.rows * s.width, "cross-entropy logits");
+        check(losses, s.rows, "cross-entropy losses");
+        assert_eq!(targets.len, s.rows);
+        let (rows, width) = (u(s.rows), u(s.width));
+        launch!(
+            self,
+            "cross_entropy_forward",
+            grid(s.rows),
+            &mut logits.data,
+            &mut losses.data,
+            &targets.data,
+            &rows,
+            &width
+        )
+    }
+
+    fn softmax_cross_entropy_backward(
+        &self,
+        probs: &mut CudaBuffer,
+        targets: &CudaTokens,
+        s: RowShape,
+        scale: f32,
+    ) -> Result<()> {
+        check(probs, s.rows * s.width, "cross-entropy probs");
+        assert_eq!(targets.len, s.rows);
+        let (n, width) = (u(s.rows * s.width), u(s.width));
+        launch!(
+            self,
+            "cross_entropy_backward",
+            elementwise(s.rows * s.width),
+            &mut probs.data,
+            &targets.data,
+            &n,
+            &width,
+            &scale
+        )
+    }
+
+    fn adamw(
+        &self,
+        param: &mut CudaBuffer,
+        grad: &CudaBuffer,
+        m: &mut CudaBuffer,
+        v: &mut CudaBuffer,
+        up: &AdamWUpdate,
+    ) -> Result<()> {
+        let n = param.len;
+        check(grad, n, "adamw grad");
+        check(m, n, "adamw m");
+        check(v, n, "adamw v");
+        let (bc1, bc2) = up.bias_corrections();
+        let count = u(n);
+        launch!(
+            self,
+            "adamw",
+            elementwise(n),
+            &mut param.data,
+            &grad.data,
+            &mut m.data,
+            &mut v.data,
+            &count,
+            &up.lr,
+            &up.beta1,
+            &up.beta2,
+            &up.eps,
+            &up.weight_decay,
+            &bc1,
+            &bc2,
+            &up.grad_scale
+        )
+    }
+}
