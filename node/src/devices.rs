@@ -64,7 +64,7 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
         }
         for a in adapters {
             println!(
-                "wgpu adapter {}: {} ({}, {}, {}), driver {}, largest buffer {} (backend `wgpu --device {}`)",
+                "wgpu adapter {}: {} ({}, {}, {}), driver {}, largest buffer {}, {} (backend `wgpu --device {}`)",
                 a.index,
                 a.name,
                 a.vendor,
@@ -72,6 +72,10 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
                 a.api,
                 a.driver,
                 gib(a.max_buffer),
+                a.subgroups
+                    .map_or("no subgroups".into(), |(lo, hi)| format!(
+                        "subgroups of {lo}-{hi}"
+                    )),
                 a.index
             );
             if args.bench {

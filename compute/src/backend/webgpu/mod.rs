@@ -59,6 +59,8 @@ pub struct AdapterSummary {
     pub driver: String,
     /// Largest buffer the adapter allows, in bytes (wgpu does not report memory size).
     pub max_buffer: u64,
+    /// Whether the adapter offers subgroup operations, and their size range.
+    pub subgroups: Option<(u32, u32)>,
 }
 
 fn vendor_name(id: u32) -> String {
@@ -97,6 +99,10 @@ fn summary(index: usize, adapter: &wgpu::Adapter) -> AdapterSummary {
             .trim()
             .to_string(),
         max_buffer: adapter.limits().max_buffer_size,
+        subgroups: adapter
+            .features()
+            .contains(wgpu::Features::SUBGROUP)
+            .then_some((info.subgroup_min_size, info.subgroup_max_size)),
     }
 }
 
