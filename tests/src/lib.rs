@@ -120,26 +120,14 @@ impl NodeProcess {
 
     /// Waits for the next event (new or already seen) matching `pred`; panics after `timeout`.
     pub fn wait_for(&mut self, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
-        if let Some(v) = self.seen.iter().find(|v| pred(v)) {
-            return v.clone();
-        }
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.events.recv_timeout(left) {
-                Ok(v) => {
-                    self.seen.push(v.clone());
-                    if pred(&v) {
-                        return v;
-                    }
-                }
-                Err(_) => panic!(
-                    "node {} ({}): no matching event within {timeout:?}; saw {:?}",
-                    self.peer,
-                    self.addr,
-                    self.seen.iter().rev().take(10).collect::<Vec<_>>()
-                ),
-            }
+        match wait_matching(&mut self.seen, &self.events, timeout, pred) {
+            Ok(v) => v,
+            Err(_) => panic!(
+                "node {} ({}): no matching event within {timeout:?}; saw {:?}",
+                self.peer,
+                self.addr,
+                self.seen.iter().rev().take(10).collect::<Vec<_>>()
+            ),
         }
     }
 
@@ -257,25 +245,13 @@ impl RunProcess {
     /// Waits for an output line (new or already seen) matching `pred`; panics after
     /// `timeout` or if the process exits first.
     pub fn wait_line(&mut self, timeout: Duration, pred: impl Fn(&str) -> bool) -> String {
-        if let Some(l) = self.seen.iter().find(|l| pred(l)) {
-            return l.clone();
-        }
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(l) => {
-                    self.seen.push(l.clone());
-                    if pred(&l) {
-                        return l;
-                    }
-                }
-                Err(e) => panic!(
-                    "{}: no matching line within {timeout:?} ({e}); last lines: {:?}",
-                    self.name,
-                    self.seen.iter().rev().take(8).collect::<Vec<_>>()
-                ),
-            }
+        match wait_matching(&mut self.seen, &self.lines, timeout, |l: &String| pred(l)) {
+            Ok(l) => l,
+            Err(e) => panic!(
+                "{}: no matching line within {timeout:?} ({e}); last lines: {:?}",
+                self.name,
+                self.seen.iter().rev().take(8).collect::<Vec<_>>()
+            ),
         }
     }
 
@@ -343,5 +319,26 @@ impl RunProcess {
 impl Drop for RunProcess {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// The first item (already `seen`, or arriving on `rx` within `timeout`, which is then kept in
+/// `seen`) that matches `pred`.
+fn wait_matching<T: Clone>(
+    seen: &mut Vec<T>,
+    rx: &mpsc::Receiver<T>,
+    timeout: Duration,
+    pred: impl Fn(&T) -> bool,
+) -> Result<T, mpsc::RecvTimeoutError> {
+    if let Some(v) = seen.iter().find(|v| pred(v)) {
+        return Ok(v.clone());
+    }
+    let deadline = Instant::now() + timeout;
+    loop {
+        let v = rx.recv_timeout(deadline.saturating_duration_since(Instant::now()))?;
+        seen.push(v.clone());
+        if pred(&v) {
+            return Ok(v);
+        }
     }
 }
