@@ -35,3 +35,30 @@ fn gpu() -> Option<Arc<WgpuBackend>> {
 }
 
 agreement_tests!(gpu);
+
+/// The same backend with subgroup operations off: the reductions every adapter can run.
+fn gpu_without_subgroups() -> Option<Arc<WgpuBackend>> {
+    static GPU: OnceLock<Option<Arc<WgpuBackend>>> = OnceLock::new();
+    GPU.get_or_init(|| {
+        let index = gpu()?.adapter().index;
+        Some(Arc::new(
+            WgpuBackend::with_subgroups(Some(index), false).unwrap(),
+        ))
+    })
+    .clone()
+}
+
+/// The workgroup-memory reductions, on an adapter that would otherwise use subgroups.
+mod without_subgroups {
+    use super::*;
+    agreement_tests!(gpu_without_subgroups);
+}
+
+#[test]
+fn subgroups_are_used_where_the_adapter_has_them() {
+    let Some(b) = gpu() else { return };
+    assert_eq!(b.uses_subgroups(), b.adapter().subgroups.is_some());
+    if let Some(f) = gpu_without_subgroups() {
+        assert!(!f.uses_subgroups());
+    }
+}

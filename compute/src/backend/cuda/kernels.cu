@@ -287,6 +287,8 @@ extern "C" __global__ void cross_entropy_forward(float* logits, float* losses,
     unsigned int row = row_index();
     if (row >= rows) return;
     float* l = logits + (size_t)row * width;
+    unsigned int tgt = min(targets[row], width - 1);
+    float logit_t = l[tgt];  // before any thread overwrites the row
     float mx = -3.4e38f;
     for (unsigned int c = threadIdx.x; c < width; c += BLOCK) mx = fmaxf(mx, l[c]);
     float m = block_max(mx, shared);
@@ -297,9 +299,7 @@ extern "C" __global__ void cross_entropy_forward(float* logits, float* losses,
         s += e;
     }
     float inv = 1.0f / block_sum(s, shared);
-    unsigned int tgt = min(targets[row], width - 1);
-    if (threadIdx.x == 0) losses[row] = -logf(fmaxf(l[tgt] * inv, 1.17549435e-38f));
-    __syncthreads();
+    if (threadIdx.x == 0) losses[row] = -logf(fmaxf(exp_clamped(logit_t - m) * inv, 1.17549435e-38f));
     for (unsigned int c = threadIdx.x; c < width; c += BLOCK) l[c] *= inv;
 }
 

@@ -6,7 +6,8 @@ struct P { rows: u32, seq: u32, _0: u32, _1: u32 }
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) li: u32) {
+        @builtin(local_invocation_index) li: u32 /*SUBGROUP_ARGS*/) {
+    /*SUBGROUP_INIT*/
     let row = wg.y * nwg.x + wg.x;
     if (row >= p.rows) {
         return;

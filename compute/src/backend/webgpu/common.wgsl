@@ -1,42 +1,11 @@
-// Shared by every kernel (prepended to each source). Element-wise kernels run 256 threads per
+// Shared by every kernel (prepended to each source, after the reductions of
+// reduce_workgroup.wgsl or reduce_subgroup.wgsl). Element-wise kernels run 256 threads per
 // workgroup over a 2-D grid of workgroups (one dimension holds at most 65535).
 
 const WG: u32 = 256u;
 
 fn flat_index(wg: vec3<u32>, nwg: vec3<u32>, li: u32) -> u32 {
     return (wg.y * nwg.x + wg.x) * WG + li;
-}
-
-var<workgroup> red: array<f32, 256>;
-
-// Sum of `v` over the workgroup; every thread gets the result. Call from uniform control flow.
-fn workgroup_sum(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s = s >> 1u) {
-        if (li < s) {
-            red[li] = red[li] + red[li + s];
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
-// Maximum of `v` over the workgroup; every thread gets the result.
-fn workgroup_max(li: u32, v: f32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s = s >> 1u) {
-        if (li < s) {
-            red[li] = max(red[li], red[li + s]);
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
 }
 
 // exp(x) on the range softmax and GELU need: below -87 it flushes to ~0, above 88 it saturates.

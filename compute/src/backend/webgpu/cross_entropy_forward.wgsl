@@ -7,12 +7,17 @@ struct P { rows: u32, width: u32, _0: u32, _1: u32 }
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) li: u32) {
+        @builtin(local_invocation_index) li: u32 /*SUBGROUP_ARGS*/) {
+    /*SUBGROUP_INIT*/
     let row = wg.y * nwg.x + wg.x;
     if (row >= p.rows) {
         return;
     }
     let base = row * p.width;
+    // The target's logit, read before any thread overwrites the row (a barrier orders
+    // workgroup memory, not this storage buffer, between threads).
+    let tgt = min(targets[row], p.width - 1u);
+    let logit_t = logits[base + tgt];
     var mx = -3.4e38;
     for (var c = li; c < p.width; c = c + WG) {
         mx = max(mx, logits[base + c]);
@@ -25,12 +30,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
         s = s + e;
     }
     let inv = 1.0 / workgroup_sum(li, s);
-    let tgt = min(targets[row], p.width - 1u);
     if (li == 0u) {
-        losses[row] = -log(max(logits[base + tgt] * inv, 1.17549435e-38));
+        losses[row] = -log(max(exp_clamped(logit_t - m) * inv, 1.17549435e-38));
     }
-    // Another thread scales the target's value below: thread 0 reads it first.
-    workgroupBarrier();
     for (var c = li; c < p.width; c = c + WG) {
         logits[base + c] = logits[base + c] * inv;
     }

@@ -8,8 +8,9 @@
 //! Every queue operation (upload, write) first submits what is recorded, which keeps the
 //! order the caller wrote.
 //!
-//! Reductions (LayerNorm, softmax, norms) use workgroup memory; they do not use subgroup
-//! operations, which wgpu exposes on some adapters only.
+//! Reductions (LayerNorm, softmax, norms) use subgroup operations where the adapter has them
+//! (`reduce_subgroup.wgsl`) and a tree through workgroup memory where it does not
+//! (`reduce_workgroup.wgsl`); the kernels are the same source either way.
 
 use super::{AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -168,7 +169,7 @@ struct Kernels {
     cross_entropy_backward: wgpu::ComputePipeline,
 }
 
-/// WGSL sources of every kernel, by name (each is compiled with `common.wgsl` in front).
+/// WGSL sources of every kernel, by name (each is compiled as [`kernel_source`] assembles it).
 pub const KERNEL_SOURCES: &[(&str, &str)] = &[
     ("fill", include_str!("fill.wgsl")),
     ("add", include_str!("add.wgsl")),
@@ -214,6 +215,28 @@ pub const KERNEL_SOURCES: &[(&str, &str)] = &[
 ];
 
 const COMMON: &str = include_str!("common.wgsl");
+const REDUCE_WORKGROUP: &str = include_str!("reduce_workgroup.wgsl");
+const REDUCE_SUBGROUP: &str = include_str!("reduce_subgroup.wgsl");
+
+/// The full WGSL of kernel `body`: the reductions (with subgroups or without), the shared
+/// helpers, then the kernel, whose entry point gets the subgroup built-ins it needs.
+pub fn kernel_source(body: &str, subgroups: bool) -> String {
+    if subgroups {
+        let body = body
+            .replace(
+                "/*SUBGROUP_ARGS*/",
+                ", @builtin(subgroup_invocation_id) sg_lane_in: u32, \
+                 @builtin(subgroup_id) sg_id_in: u32, @builtin(num_subgroups) sg_count_in: u32",
+            )
+            .replace(
+                "/*SUBGROUP_INIT*/",
+                "subgroup_init(sg_lane_in, sg_id_in, sg_count_in);",
+            );
+        format!("{REDUCE_SUBGROUP}\n{COMMON}\n{body}")
+    } else {
+        format!("{REDUCE_WORKGROUP}\n{COMMON}\n{body}")
+    }
+}
 
 /// Element-wise kernels run this many threads per workgroup.
 const WG: u32 = 256;
@@ -243,6 +266,8 @@ pub struct WgpuBackend {
     error: Arc<Mutex<Option<String>>>,
     max_buffer: u64,
     max_binding: u64,
+    /// Whether reductions use subgroup operations.
+    subgroups: bool,
 }
 
 /// Strides of one matrix operand of [`WgpuBackend::gemm`]: element `(i, j)` of batch
@@ -319,8 +344,14 @@ fn elementwise(n: usize) -> (u32, u32, u32) {
 
 impl WgpuBackend {
     /// The adapter `index` of [`adapters`], or the best one (discrete, then integrated, then
-    /// anything else) when `None`.
+    /// anything else) when `None`; reductions use subgroups where the adapter has them.
     pub fn new(index: Option<usize>) -> Result<Self> {
+        Self::with_subgroups(index, true)
+    }
+
+    /// As [`WgpuBackend::new`], using subgroup operations only if `subgroups` is true and the
+    /// adapter has them (false forces the workgroup-memory reductions everywhere).
+    pub fn with_subgroups(index: Option<usize>, subgroups: bool) -> Result<Self> {
         let adapters = enumerate();
         let chosen = match index {
             Some(i) => adapters.into_iter().nth(i).map(|a| (i, a)).ok_or_else(|| {
@@ -339,11 +370,16 @@ impl WgpuBackend {
         };
         let (index, adapter) = chosen;
         let summary = summary(index, &adapter);
+        let subgroups = subgroups && summary.subgroups.is_some();
         // Ask for everything the adapter allows: big models need big storage bindings.
         let limits = adapter.limits();
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("shoal"),
-            required_features: wgpu::Features::empty(),
+            required_features: if subgroups {
+                wgpu::Features::SUBGROUP
+            } else {
+                wgpu::Features::empty()
+            },
             required_limits: limits.clone(),
             memory_hints: wgpu::MemoryHints::Performance,
             ..Default::default()
@@ -363,7 +399,7 @@ impl WgpuBackend {
                 .map_or("", |(_, s)| s);
             let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
                 label: Some(name),
-                source: wgpu::ShaderSource::Wgsl(format!("{COMMON}\n{body}").into()),
+                source: wgpu::ShaderSource::Wgsl(kernel_source(body, subgroups).into()),
             });
             device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                 label: Some(name),
@@ -408,12 +444,18 @@ impl WgpuBackend {
             error,
             max_buffer: limits.max_buffer_size,
             max_binding: limits.max_storage_buffer_binding_size,
+            subgroups,
         })
     }
 
     /// The adapter this backend runs on.
     pub fn adapter(&self) -> &AdapterSummary {
         &self.adapter
+    }
+
+    /// Whether its reductions use subgroup operations.
+    pub fn uses_subgroups(&self) -> bool {
+        self.subgroups
     }
 
     fn pending(&self) -> MutexGuard<'_, Pending> {
@@ -429,16 +471,19 @@ impl WgpuBackend {
         }
     }
 
-    /// Submits everything recorded so far.
-    fn flush(&self) -> Result<()> {
-        let encoder = {
-            let mut p = self.pending();
-            p.dispatches = 0;
-            p.encoder.take()
-        };
-        if let Some(encoder) = encoder {
+    /// Submits what `p` recorded. Callers hold the lock on it until their own queue operation
+    /// is issued too: a write staged while another thread holds commands recorded before it
+    /// would otherwise run ahead of them (wgpu applies staged writes before the next submit).
+    fn submit(&self, p: &mut Pending) {
+        p.dispatches = 0;
+        if let Some(encoder) = p.encoder.take() {
             self.queue.submit([encoder.finish()]);
         }
+    }
+
+    /// Submits everything recorded so far.
+    fn flush(&self) -> Result<()> {
+        self.submit(&mut self.pending());
         self.check_device()
     }
 
@@ -538,17 +583,15 @@ impl WgpuBackend {
             bytes,
             wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
         )?;
-        let mut encoder = {
+        {
             let mut p = self.pending();
-            p.dispatches = 0;
-            p.encoder.take()
+            let encoder = p.encoder.get_or_insert_with(|| {
+                self.device
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None })
+            });
+            encoder.copy_buffer_to_buffer(src, 0, &staging, 0, bytes);
+            self.submit(&mut p);
         }
-        .unwrap_or_else(|| {
-            self.device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None })
-        });
-        encoder.copy_buffer_to_buffer(src, 0, &staging, 0, bytes);
-        self.queue.submit([encoder.finish()]);
         let (tx, rx) = std::sync::mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |r| {
             let _ = tx.send(r);
@@ -630,8 +673,11 @@ impl Backend for WgpuBackend {
 
     fn name(&self) -> String {
         format!(
-            "wgpu ({}, {} {})",
-            self.adapter.name, self.adapter.kind, self.adapter.api
+            "wgpu ({}, {} {}{})",
+            self.adapter.name,
+            self.adapter.kind,
+            self.adapter.api,
+            if self.subgroups { ", subgroups" } else { "" }
         )
     }
 
@@ -657,9 +703,11 @@ impl Backend for WgpuBackend {
         if host.is_empty() {
             return Ok(());
         }
-        self.flush()?;
+        let mut p = self.pending();
+        self.submit(&mut p);
         self.queue.write_buffer(&buf.buf, 0, &bytes_of(host));
-        Ok(())
+        drop(p);
+        self.check_device()
     }
 
     fn download(&self, buf: &WgpuBuffer, host: &mut [f32]) -> Result<()> {
@@ -679,8 +727,9 @@ impl Backend for WgpuBackend {
     fn upload_tokens(&self, tokens: &[u32]) -> Result<WgpuTokens> {
         let buf = self.storage(tokens.len() as u64 * 4)?;
         if !tokens.is_empty() {
-            self.flush()?;
             let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+            let mut p = self.pending();
+            self.submit(&mut p);
             self.queue.write_buffer(&buf, 0, &bytes);
         }
         Ok(WgpuTokens {
