@@ -18,6 +18,12 @@ use clap::Parser;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // Mesa's device-select Vulkan layer only reorders adapters (shoal chooses its own) and, on
+    // a machine without a display session, prints an error whenever adapters are listed.
+    if std::env::var_os("NODEVICE_SELECT").is_none() {
+        // SAFETY: the first statement of main, before any other thread exists.
+        unsafe { std::env::set_var("NODEVICE_SELECT", "1") };
+    }
     let args = match cli::Cli::try_parse() {
         Ok(args) => args,
         Err(e) => {
