@@ -2,7 +2,9 @@
 //! matrix products through the `gemm` crate.
 
 use super::kernels;
-use super::{AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape};
+use super::{
+    AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape, check_len,
+};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -166,12 +168,7 @@ unsafe fn sgemm_raw(
 }
 
 fn check(buf: &[f32], len: usize, what: &str) {
-    assert_eq!(
-        buf.len(),
-        len,
-        "{what}: buffer length {} != expected {len}",
-        buf.len()
-    );
+    check_len(buf.len(), len, what);
 }
 
 impl Backend for CpuBackend {

@@ -122,6 +122,21 @@ pub struct AdamWUpdate {
     pub grad_scale: f32,
 }
 
+/// Panics unless a buffer of `actual` values has the `expected` length: shapes come from the
+/// model code, so a mismatch is a programming error, never data-dependent (see [`Backend`]).
+pub(crate) fn check_len(actual: usize, expected: usize, what: &str) {
+    assert_eq!(
+        actual, expected,
+        "{what}: buffer length {actual} != expected {expected}"
+    );
+}
+
+/// A length or dimension as the `u32` that GPU kernels index with.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub(crate) fn dim(v: usize) -> u32 {
+    u32::try_from(v).expect("tensor dimension over 2^32 values")
+}
+
 impl AdamWUpdate {
     /// The bias corrections `1 - beta1^t` and `1 - beta2^t` of this step.
     pub fn bias_corrections(&self) -> (f32, f32) {

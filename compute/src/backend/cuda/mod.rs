@@ -11,7 +11,10 @@
 //! product `C = op(A) op(B)` is issued as the column-major `Cᵀ = op(B)ᵀ op(A)ᵀ`, whose operands
 //! are the same memory read with the same leading dimensions.
 
-use super::{AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape};
+use super::{
+    AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape, check_len,
+    dim,
+};
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{
@@ -306,15 +309,7 @@ impl CudaBackend {
 }
 
 fn check(buf: &CudaBuffer, len: usize, what: &str) {
-    assert_eq!(
-        buf.len, len,
-        "{what}: buffer length {} != expected {len}",
-        buf.len
-    );
-}
-
-fn u(v: usize) -> u32 {
-    u32::try_from(v).expect("tensor over 2^32 values")
+    check_len(buf.len, len, what);
 }
 
 impl Backend for CudaBackend {
@@ -393,7 +388,7 @@ impl Backend for CudaBackend {
     }
 
     fn fill(&self, buf: &mut CudaBuffer, value: f32) -> Result<()> {
-        let n = u(buf.len);
+        let n = dim(buf.len);
         launch!(
             self,
             "fill",
@@ -413,7 +408,7 @@ impl Backend for CudaBackend {
 
     fn add_assign(&self, acc: &mut CudaBuffer, x: &CudaBuffer) -> Result<()> {
         check(acc, x.len, "add_assign");
-        let n = u(acc.len);
+        let n = dim(acc.len);
         launch!(
             self,
             "add_assign",
@@ -430,7 +425,7 @@ impl Backend for CudaBackend {
             return Ok(0.0);
         }
         let mut partials = self.alloc(blocks)?;
-        let n = u(buf.len);
+        let n = dim(buf.len);
         launch!(
             self,
             "sum_squares",
@@ -457,7 +452,12 @@ impl Backend for CudaBackend {
         check(out, batch * seq * width, "embedding out");
         assert_eq!(tokens.len, batch * seq);
         assert!(wpe.len >= seq * width);
-        let (n, s, w, v) = (u(out.len), u(seq), u(width), u(wte.len / width.max(1)));
+        let (n, s, w, v) = (
+            dim(out.len),
+            dim(seq),
+            dim(width),
+            dim(wte.len / width.max(1)),
+        );
         launch!(
             self,
             "embedding_forward",
@@ -486,7 +486,7 @@ impl Backend for CudaBackend {
         check(dout, batch * seq * width, "embedding dout");
         assert_eq!(tokens.len, batch * seq);
         assert!(dwpe.len >= seq * width);
-        let (n, s, w, b) = (u(seq * width), u(seq), u(width), u(batch));
+        let (n, s, w, b) = (dim(seq * width), dim(seq), dim(width), dim(batch));
         launch!(
             self,
             "embedding_backward_wpe",
@@ -498,7 +498,7 @@ impl Backend for CudaBackend {
             &w,
             &b
         )?;
-        let (rows, vocab) = (u(batch * seq), u(dwte.len / width.max(1)));
+        let (rows, vocab) = (dim(batch * seq), dim(dwte.len / width.max(1)));
         launch!(
             self,
             "embedding_backward_wte",
@@ -528,7 +528,7 @@ impl Backend for CudaBackend {
         check(rstd, s.rows, "layernorm rstd");
         check(weight, s.width, "layernorm weight");
         check(bias, s.width, "layernorm bias");
-        let (rows, width) = (u(s.rows), u(s.width));
+        let (rows, width) = (dim(s.rows), dim(s.width));
         launch!(
             self,
             "layernorm_forward",
@@ -563,7 +563,7 @@ impl Backend for CudaBackend {
         check(dbias, s.width, "layernorm dbias");
         check(mean, s.rows, "layernorm mean");
         check(rstd, s.rows, "layernorm rstd");
-        let (rows, width) = (u(s.rows), u(s.width));
+        let (rows, width) = (dim(s.rows), dim(s.width));
         launch!(
             self,
             "layernorm_backward_input",
@@ -606,7 +606,7 @@ impl Backend for CudaBackend {
         check(weight, oc * c, "matmul weight");
         if let Some(bias) = bias {
             check(bias, oc, "matmul bias");
-            let (len, width) = (u(out.len), u(oc));
+            let (len, width) = (dim(out.len), dim(oc));
             launch!(
                 self,
                 "broadcast_rows",
@@ -663,7 +663,7 @@ impl Backend for CudaBackend {
         )?;
         if let Some(dbias) = dbias {
             check(dbias, oc, "matmul dbias");
-            let (rows, width) = (u(n), u(oc));
+            let (rows, width) = (dim(n), dim(oc));
             launch!(
                 self,
                 "column_sum",
@@ -704,7 +704,7 @@ impl Backend for CudaBackend {
                 0.0,
             )?;
         }
-        let (rows, seq) = (u(b * nh * t), u(t));
+        let (rows, seq) = (dim(b * nh * t), dim(t));
         launch!(
             self,
             "attention_softmax",
@@ -769,7 +769,7 @@ impl Backend for CudaBackend {
                 0.0,
             )?;
         }
-        let (rows, seq) = (u(b * nh * t), u(t));
+        let (rows, seq) = (dim(b * nh * t), dim(t));
         launch!(
             self,
             "attention_softmax_backward",
@@ -798,7 +798,7 @@ impl Backend for CudaBackend {
 
     fn gelu_forward(&self, out: &mut CudaBuffer, inp: &CudaBuffer) -> Result<()> {
         check(out, inp.len, "gelu out");
-        let n = u(inp.len);
+        let n = dim(inp.len);
         launch!(
             self,
             "gelu_forward",
@@ -817,7 +817,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         check(dinp, inp.len, "gelu dinp");
         check(dout, inp.len, "gelu dout");
-        let n = u(inp.len);
+        let n = dim(inp.len);
         launch!(
             self,
             "gelu_backward",
@@ -832,7 +832,7 @@ impl Backend for CudaBackend {
     fn residual_forward(&self, out: &mut CudaBuffer, a: &CudaBuffer, b: &CudaBuffer) -> Result<()> {
         check(out, a.len, "residual out");
         check(b, a.len, "residual b");
-        let n = u(a.len);
+        let n = dim(a.len);
         launch!(
             self,
             "add",
@@ -854,7 +854,7 @@ impl Backend for CudaBackend {
         check(logits, s.rows * s.width, "cross-entropy logits");
         check(losses, s.rows, "cross-entropy losses");
         assert_eq!(targets.len, s.rows);
-        let (rows, width) = (u(s.rows), u(s.width));
+        let (rows, width) = (dim(s.rows), dim(s.width));
         launch!(
             self,
             "cross_entropy_forward",
@@ -876,7 +876,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         check(probs, s.rows * s.width, "cross-entropy probs");
         assert_eq!(targets.len, s.rows);
-        let (n, width) = (u(s.rows * s.width), u(s.width));
+        let (n, width) = (dim(s.rows * s.width), dim(s.width));
         launch!(
             self,
             "cross_entropy_backward",
@@ -902,7 +902,7 @@ impl Backend for CudaBackend {
         check(m, n, "adamw m");
         check(v, n, "adamw v");
         let (bc1, bc2) = up.bias_corrections();
-        let count = u(n);
+        let count = dim(n);
         launch!(
             self,
             "adamw",

@@ -12,7 +12,10 @@
 //! (`reduce_subgroup.wgsl`) and a tree through workgroup memory where it does not
 //! (`reduce_workgroup.wgsl`); the kernels are the same source either way.
 
-use super::{AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape};
+use super::{
+    AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape, check_len,
+    dim,
+};
 use std::sync::{Arc, Mutex, MutexGuard};
 use wgpu::util::DeviceExt;
 
@@ -320,17 +323,13 @@ struct GemmShape {
     accumulate: bool,
 }
 
-fn u32_of(v: usize) -> u32 {
-    u32::try_from(v).expect("tensor dimension over 2^32 values")
-}
-
 fn f(v: f32) -> u32 {
     v.to_bits()
 }
 
 /// A grid of `groups` workgroups, folded into two dimensions when it is too long for one.
 fn grid(groups: usize) -> (u32, u32, u32) {
-    let groups = u32_of(groups.max(1));
+    let groups = dim(groups.max(1));
     if groups <= MAX_GROUPS {
         (groups, 1, 1)
     } else {
@@ -643,24 +642,20 @@ impl WgpuBackend {
             co.sh,
             usize::from(s.accumulate),
         ]
-        .map(u32_of);
+        .map(dim);
         let mut words = params.to_vec();
         words.push(f(s.alpha));
         let groups = (
-            u32_of(s.n.div_ceil(GEMM_TILE)),
-            u32_of(s.m.div_ceil(GEMM_TILE)),
-            u32_of(s.outer * s.heads.max(1)),
+            dim(s.n.div_ceil(GEMM_TILE)),
+            dim(s.m.div_ceil(GEMM_TILE)),
+            dim(s.outer * s.heads.max(1)),
         );
         self.dispatch(&self.kernels.gemm, &words, &[ab, bb, c], groups)
     }
 }
 
 fn check(buf: &WgpuBuffer, len: usize, what: &str) {
-    assert_eq!(
-        buf.len, len,
-        "{what}: buffer length {} != expected {len}",
-        buf.len
-    );
+    check_len(buf.len, len, what);
 }
 
 fn bytes_of(values: &[f32]) -> Vec<u8> {
@@ -746,7 +741,7 @@ impl Backend for WgpuBackend {
         let n = buf.len;
         self.dispatch(
             &self.kernels.fill,
-            &[u32_of(n), f(value)],
+            &[dim(n), f(value)],
             &[&buf.buf],
             elementwise(n),
         )
@@ -771,7 +766,7 @@ impl Backend for WgpuBackend {
         let n = acc.len;
         self.dispatch(
             &self.kernels.add_assign,
-            &[u32_of(n)],
+            &[dim(n)],
             &[&acc.buf, &x.buf],
             elementwise(n),
         )
@@ -785,7 +780,7 @@ impl Backend for WgpuBackend {
         let partials = self.storage(blocks as u64 * 4)?;
         self.dispatch(
             &self.kernels.sum_squares,
-            &[u32_of(buf.len)],
+            &[dim(buf.len)],
             &[&partials, &buf.buf],
             grid(blocks),
         )?;
@@ -813,7 +808,7 @@ impl Backend for WgpuBackend {
         let vocab = wte.len / width.max(1);
         self.dispatch(
             &self.kernels.embedding_forward,
-            &[u32_of(n), u32_of(seq), u32_of(width), u32_of(vocab)],
+            &[dim(n), dim(seq), dim(width), dim(vocab)],
             &[&out.buf, &tokens.buf, &wte.buf, &wpe.buf],
             elementwise(n),
         )
@@ -834,14 +829,14 @@ impl Backend for WgpuBackend {
         let n = seq * width;
         self.dispatch(
             &self.kernels.embedding_backward_wpe,
-            &[u32_of(n), u32_of(seq), u32_of(width), u32_of(batch)],
+            &[dim(n), dim(seq), dim(width), dim(batch)],
             &[&dwpe.buf, &dout.buf],
             elementwise(n),
         )?;
         let vocab = dwte.len / width.max(1);
         self.dispatch(
             &self.kernels.embedding_backward_wte,
-            &[u32_of(batch * seq), u32_of(width), u32_of(vocab)],
+            &[dim(batch * seq), dim(width), dim(vocab)],
             &[&dwte.buf, &dout.buf, &tokens.buf],
             elementwise(width),
         )
@@ -863,7 +858,7 @@ impl Backend for WgpuBackend {
         check(rstd, s.rows, "layernorm rstd");
         self.dispatch(
             &self.kernels.layernorm_forward,
-            &[u32_of(s.rows), u32_of(s.width)],
+            &[dim(s.rows), dim(s.width)],
             &[
                 &out.buf,
                 &mean.buf,
@@ -890,7 +885,7 @@ impl Backend for WgpuBackend {
     ) -> Result<()> {
         check(dinp, s.rows * s.width, "layernorm dinp");
         check(dout, s.rows * s.width, "layernorm dout");
-        let shape = [u32_of(s.rows), u32_of(s.width)];
+        let shape = [dim(s.rows), dim(s.width)];
         self.dispatch(
             &self.kernels.layernorm_backward_input,
             &shape,
@@ -935,7 +930,7 @@ impl Backend for WgpuBackend {
             check(bias, oc, "matmul bias");
             self.dispatch(
                 &self.kernels.broadcast_rows,
-                &[u32_of(out.len), u32_of(oc)],
+                &[dim(out.len), dim(oc)],
                 &[&out.buf, &bias.buf],
                 elementwise(out.len),
             )?;
@@ -1009,7 +1004,7 @@ impl Backend for WgpuBackend {
             check(dbias, oc, "matmul dbias");
             self.dispatch(
                 &self.kernels.column_sum,
-                &[u32_of(n), u32_of(oc)],
+                &[dim(n), dim(oc)],
                 &[&dbias.buf, &dout.buf],
                 elementwise(oc),
             )?;
@@ -1054,7 +1049,7 @@ impl Backend for WgpuBackend {
         )?;
         self.dispatch(
             &self.kernels.attention_softmax,
-            &[u32_of(b * nh * t), u32_of(t)],
+            &[dim(b * nh * t), dim(t)],
             &[&probs.buf],
             grid(b * nh * t),
         )?;
@@ -1132,7 +1127,7 @@ impl Backend for WgpuBackend {
         )?;
         self.dispatch(
             &self.kernels.attention_softmax_backward,
-            &[u32_of(b * nh * t), u32_of(t), f(scale)],
+            &[dim(b * nh * t), dim(t), f(scale)],
             &[&scratch.buf, &probs.buf],
             grid(b * nh * t),
         )?;
@@ -1157,7 +1152,7 @@ impl Backend for WgpuBackend {
         check(out, inp.len, "gelu out");
         self.dispatch(
             &self.kernels.gelu_forward,
-            &[u32_of(inp.len)],
+            &[dim(inp.len)],
             &[&out.buf, &inp.buf],
             elementwise(inp.len),
         )
@@ -1173,7 +1168,7 @@ impl Backend for WgpuBackend {
         check(dout, inp.len, "gelu dout");
         self.dispatch(
             &self.kernels.gelu_backward,
-            &[u32_of(inp.len)],
+            &[dim(inp.len)],
             &[&dinp.buf, &inp.buf, &dout.buf],
             elementwise(inp.len),
         )
@@ -1184,7 +1179,7 @@ impl Backend for WgpuBackend {
         check(b, a.len, "residual b");
         self.dispatch(
             &self.kernels.add,
-            &[u32_of(a.len)],
+            &[dim(a.len)],
             &[&out.buf, &a.buf, &b.buf],
             elementwise(a.len),
         )
@@ -1202,7 +1197,7 @@ impl Backend for WgpuBackend {
         assert_eq!(targets.len, s.rows);
         self.dispatch(
             &self.kernels.cross_entropy_forward,
-            &[u32_of(s.rows), u32_of(s.width)],
+            &[dim(s.rows), dim(s.width)],
             &[&logits.buf, &losses.buf, &targets.buf],
             grid(s.rows),
         )
@@ -1220,7 +1215,7 @@ impl Backend for WgpuBackend {
         let n = s.rows * s.width;
         self.dispatch(
             &self.kernels.cross_entropy_backward,
-            &[u32_of(n), u32_of(s.width), f(scale)],
+            &[dim(n), dim(s.width), f(scale)],
             &[&probs.buf, &targets.buf],
             elementwise(n),
         )
@@ -1242,7 +1237,7 @@ impl Backend for WgpuBackend {
         self.dispatch(
             &self.kernels.adamw,
             &[
-                u32_of(n),
+                dim(n),
                 f(u.lr),
                 f(u.beta1),
                 f(u.beta2),
