@@ -333,10 +333,11 @@ impl Backend for CpuBackend {
         bias: &Vec<f32>,
         s: RowShape,
     ) -> Result<()> {
-        check(out, s.rows * s.width, "layernorm out");
-        check(inp, s.rows * s.width, "layernorm inp");
-        check(mean, s.rows, "layernorm mean");
-        check(rstd, s.rows, "layernorm rstd");
+        s.check_layernorm(
+            &[out.len(), inp.len()],
+            [mean.len(), rstd.len()],
+            [weight.len(), bias.len()],
+        );
         let w = s.width;
         let chunk = ROWS_PER_TASK * w;
         self.run(|| {
@@ -364,8 +365,11 @@ impl Backend for CpuBackend {
         s: RowShape,
     ) -> Result<()> {
         let w = s.width;
-        check(dinp, s.rows * w, "layernorm dinp");
-        check(dout, s.rows * w, "layernorm dout");
+        s.check_layernorm(
+            &[dinp.len(), dout.len(), inp.len()],
+            [mean.len(), rstd.len()],
+            [dweight.len(), dbias.len()],
+        );
         // Each task accumulates its own weight/bias gradient over a block of rows; the partial
         // sums are added at the end (one block per thread keeps that reduction small).
         let rows_per_task = s.rows.div_ceil(self.threads * 4).max(1);
@@ -412,9 +416,7 @@ impl Backend for CpuBackend {
         s: MatmulShape,
     ) -> Result<()> {
         let (n, c, oc) = (s.rows, s.input, s.output);
-        check(out, n * oc, "matmul out");
-        check(inp, n * c, "matmul inp");
-        check(weight, oc * c, "matmul weight");
+        s.check_forward(out.len(), inp.len(), weight.len());
         self.run(|| {
             if let Some(bias) = bias {
                 check(bias, oc, "matmul bias");
@@ -451,10 +453,7 @@ impl Backend for CpuBackend {
         s: MatmulShape,
     ) -> Result<()> {
         let (n, c, oc) = (s.rows, s.input, s.output);
-        check(dinp, n * c, "matmul dinp");
-        check(dweight, oc * c, "matmul dweight");
-        check(dout, n * oc, "matmul dout");
-        check(inp, n * c, "matmul inp");
+        s.check_backward(dinp.len(), dweight.len(), dout.len(), inp.len());
         self.run(|| {
             // dinp(n x c) = dout(n x oc) · W(oc x c)
             sgemm(
@@ -507,11 +506,9 @@ impl Backend for CpuBackend {
         qkv: &Vec<f32>,
         s: AttentionShape,
     ) -> Result<()> {
-        let (b, t, c, nh) = (s.batch, s.seq, s.width, s.heads);
+        let (t, c, nh) = (s.seq, s.width, s.heads);
         let hs = c / nh;
-        check(out, b * t * c, "attention out");
-        check(probs, s.probs_len(), "attention probs");
-        check(qkv, b * t * 3 * c, "attention qkv");
+        s.check_forward(out.len(), probs.len(), qkv.len());
         let scale = 1.0 / (hs as f32).sqrt();
         let out_ptr = SharedMut(out.as_mut_ptr());
         let out_len = out.len();
@@ -571,12 +568,9 @@ impl Backend for CpuBackend {
         probs: &Vec<f32>,
         s: AttentionShape,
     ) -> Result<()> {
-        let (b, t, c, nh) = (s.batch, s.seq, s.width, s.heads);
+        let (t, c, nh) = (s.seq, s.width, s.heads);
         let hs = c / nh;
-        check(dqkv, b * t * 3 * c, "attention dqkv");
-        check(scratch, s.probs_len(), "attention scratch");
-        check(dout, b * t * c, "attention dout");
-        check(probs, s.probs_len(), "attention probs");
+        s.check_backward(dqkv.len(), scratch.len(), dout.len(), probs.len());
         let scale = 1.0 / (hs as f32).sqrt();
         let dqkv_len = dqkv.len();
         let dq_ptr = SharedMut(dqkv.as_mut_ptr());
@@ -702,9 +696,8 @@ impl Backend for CpuBackend {
         targets: &Vec<u32>,
         s: RowShape,
     ) -> Result<()> {
-        check(logits, s.rows * s.width, "cross-entropy logits");
+        s.check_cross_entropy(logits.len(), targets.len());
         check(losses, s.rows, "cross-entropy losses");
-        assert_eq!(targets.len(), s.rows);
         self.run(|| {
             logits
                 .par_chunks_mut(s.width)
@@ -725,8 +718,7 @@ impl Backend for CpuBackend {
         s: RowShape,
         scale: f32,
     ) -> Result<()> {
-        check(probs, s.rows * s.width, "cross-entropy probs");
-        assert_eq!(targets.len(), s.rows);
+        s.check_cross_entropy(probs.len(), targets.len());
         self.run(|| {
             probs
                 .par_chunks_mut(s.width)

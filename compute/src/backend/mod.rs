@@ -103,6 +103,61 @@ impl AttentionShape {
     }
 }
 
+// Each operation's buffer lengths, checked alike by every backend (see `check_len`).
+
+impl RowShape {
+    /// LayerNorm's buffers: `rows` values (`mean`, `rstd`), `rows x width` (`x`), `width`
+    /// (`w`: weights, biases and their gradients).
+    pub(crate) fn check_layernorm(&self, x: &[usize], per_row: [usize; 2], w: [usize; 2]) {
+        for len in x {
+            check_len(*len, self.rows * self.width, "layernorm activations");
+        }
+        for len in per_row {
+            check_len(len, self.rows, "layernorm mean/rstd");
+        }
+        for len in w {
+            check_len(len, self.width, "layernorm weight/bias");
+        }
+    }
+
+    pub(crate) fn check_cross_entropy(&self, logits: usize, targets: usize) {
+        check_len(logits, self.rows * self.width, "cross-entropy logits");
+        check_len(targets, self.rows, "cross-entropy targets");
+    }
+}
+
+impl MatmulShape {
+    pub(crate) fn check_forward(&self, out: usize, inp: usize, weight: usize) {
+        check_len(out, self.rows * self.output, "matmul out");
+        check_len(inp, self.rows * self.input, "matmul inp");
+        check_len(weight, self.output * self.input, "matmul weight");
+    }
+
+    pub(crate) fn check_backward(&self, dinp: usize, dweight: usize, dout: usize, inp: usize) {
+        check_len(dinp, self.rows * self.input, "matmul dinp");
+        check_len(dweight, self.output * self.input, "matmul dweight");
+        check_len(dout, self.rows * self.output, "matmul dout");
+        check_len(inp, self.rows * self.input, "matmul inp");
+    }
+}
+
+impl AttentionShape {
+    pub(crate) fn check_forward(&self, out: usize, probs: usize, qkv: usize) {
+        let values = self.batch * self.seq * self.width;
+        check_len(out, values, "attention out");
+        check_len(probs, self.probs_len(), "attention probs");
+        check_len(qkv, 3 * values, "attention qkv");
+    }
+
+    pub(crate) fn check_backward(&self, dqkv: usize, scratch: usize, dout: usize, probs: usize) {
+        let values = self.batch * self.seq * self.width;
+        check_len(dqkv, 3 * values, "attention dqkv");
+        check_len(scratch, self.probs_len(), "attention scratch");
+        check_len(dout, values, "attention dout");
+        check_len(probs, self.probs_len(), "attention probs");
+    }
+}
+
 /// Hyper-parameters of one AdamW update of one tensor.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWUpdate {

@@ -522,12 +522,11 @@ impl Backend for CudaBackend {
         bias: &CudaBuffer,
         s: RowShape,
     ) -> Result<()> {
-        check(out, s.rows * s.width, "layernorm out");
-        check(inp, s.rows * s.width, "layernorm inp");
-        check(mean, s.rows, "layernorm mean");
-        check(rstd, s.rows, "layernorm rstd");
-        check(weight, s.width, "layernorm weight");
-        check(bias, s.width, "layernorm bias");
+        s.check_layernorm(
+            &[out.len, inp.len],
+            [mean.len, rstd.len],
+            [weight.len, bias.len],
+        );
         let (rows, width) = (dim(s.rows), dim(s.width));
         launch!(
             self,
@@ -556,13 +555,11 @@ impl Backend for CudaBackend {
         rstd: &CudaBuffer,
         s: RowShape,
     ) -> Result<()> {
-        check(dinp, s.rows * s.width, "layernorm dinp");
-        check(dout, s.rows * s.width, "layernorm dout");
-        check(inp, s.rows * s.width, "layernorm inp");
-        check(dweight, s.width, "layernorm dweight");
-        check(dbias, s.width, "layernorm dbias");
-        check(mean, s.rows, "layernorm mean");
-        check(rstd, s.rows, "layernorm rstd");
+        s.check_layernorm(
+            &[dinp.len, dout.len, inp.len],
+            [mean.len, rstd.len],
+            [dweight.len, dbias.len],
+        );
         let (rows, width) = (dim(s.rows), dim(s.width));
         launch!(
             self,
@@ -601,9 +598,7 @@ impl Backend for CudaBackend {
         s: MatmulShape,
     ) -> Result<()> {
         let (n, c, oc) = (s.rows, s.input, s.output);
-        check(out, n * oc, "matmul out");
-        check(inp, n * c, "matmul inp");
-        check(weight, oc * c, "matmul weight");
+        s.check_forward(out.len, inp.len, weight.len);
         if let Some(bias) = bias {
             check(bias, oc, "matmul bias");
             let (len, width) = (dim(out.len), dim(oc));
@@ -639,10 +634,7 @@ impl Backend for CudaBackend {
         s: MatmulShape,
     ) -> Result<()> {
         let (n, c, oc) = (s.rows, s.input, s.output);
-        check(dinp, n * c, "matmul dinp");
-        check(dweight, oc * c, "matmul dweight");
-        check(dout, n * oc, "matmul dout");
-        check(inp, n * c, "matmul inp");
+        s.check_backward(dinp.len, dweight.len, dout.len, inp.len);
         // dinp(n x c) = dout(n x oc) · W(oc x c)
         self.gemm(
             (n, c, oc, 1),
@@ -686,9 +678,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let (b, t, c, nh) = (s.batch, s.seq, s.width, s.heads);
         let hs = c / nh;
-        check(out, b * t * c, "attention out");
-        check(probs, s.probs_len(), "attention probs");
-        check(qkv, b * t * 3 * c, "attention qkv");
+        s.check_forward(out.len, probs.len, qkv.len);
         let scale = 1.0 / (hs as f32).sqrt();
         // One batched product per sequence, over its heads.
         for bi in 0..b {
@@ -734,10 +724,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         let (b, t, c, nh) = (s.batch, s.seq, s.width, s.heads);
         let hs = c / nh;
-        check(dqkv, b * t * 3 * c, "attention dqkv");
-        check(scratch, s.probs_len(), "attention scratch");
-        check(dout, b * t * c, "attention dout");
-        check(probs, s.probs_len(), "attention probs");
+        s.check_backward(dqkv.len, scratch.len, dout.len, probs.len);
         let scale = 1.0 / (hs as f32).sqrt();
         let blocks = |bi: usize| {
             let q = Operand::plain(3 * c).at(bi * t * 3 * c).batched(hs);
@@ -851,9 +838,8 @@ impl Backend for CudaBackend {
         targets: &CudaTokens,
         s: RowShape,
     ) -> Result<()> {
-        check(logits, s.rows * s.width, "cross-entropy logits");
+        s.check_cross_entropy(logits.len, targets.len);
         check(losses, s.rows, "cross-entropy losses");
-        assert_eq!(targets.len, s.rows);
         let (rows, width) = (dim(s.rows), dim(s.width));
         launch!(
             self,
@@ -874,8 +860,7 @@ impl Backend for CudaBackend {
         s: RowShape,
         scale: f32,
     ) -> Result<()> {
-        check(probs, s.rows * s.width, "cross-entropy probs");
-        assert_eq!(targets.len, s.rows);
+        s.check_cross_entropy(probs.len, targets.len);
         let (n, width) = (dim(s.rows * s.width), dim(s.width));
         launch!(
             self,

@@ -852,10 +852,11 @@ impl Backend for WgpuBackend {
         bias: &WgpuBuffer,
         s: RowShape,
     ) -> Result<()> {
-        check(out, s.rows * s.width, "layernorm out");
-        check(inp, s.rows * s.width, "layernorm inp");
-        check(mean, s.rows, "layernorm mean");
-        check(rstd, s.rows, "layernorm rstd");
+        s.check_layernorm(
+            &[out.len, inp.len],
+            [mean.len, rstd.len],
+            [weight.len, bias.len],
+        );
         self.dispatch(
             &self.kernels.layernorm_forward,
             &[dim(s.rows), dim(s.width)],
@@ -883,8 +884,11 @@ impl Backend for WgpuBackend {
         rstd: &WgpuBuffer,
         s: RowShape,
     ) -> Result<()> {
-        check(dinp, s.rows * s.width, "layernorm dinp");
-        check(dout, s.rows * s.width, "layernorm dout");
+        s.check_layernorm(
+            &[dinp.len, dout.len, inp.len],
+            [mean.len, rstd.len],
+            [dweight.len, dbias.len],
+        );
         let shape = [dim(s.rows), dim(s.width)];
         self.dispatch(
             &self.kernels.layernorm_backward_input,
@@ -923,9 +927,7 @@ impl Backend for WgpuBackend {
         s: MatmulShape,
     ) -> Result<()> {
         let (n, c, oc) = (s.rows, s.input, s.output);
-        check(out, n * oc, "matmul out");
-        check(inp, n * c, "matmul inp");
-        check(weight, oc * c, "matmul weight");
+        s.check_forward(out.len, inp.len, weight.len);
         if let Some(bias) = bias {
             check(bias, oc, "matmul bias");
             self.dispatch(
@@ -964,10 +966,7 @@ impl Backend for WgpuBackend {
         s: MatmulShape,
     ) -> Result<()> {
         let (n, c, oc) = (s.rows, s.input, s.output);
-        check(dinp, n * c, "matmul dinp");
-        check(dweight, oc * c, "matmul dweight");
-        check(dout, n * oc, "matmul dout");
-        check(inp, n * c, "matmul inp");
+        s.check_backward(dinp.len, dweight.len, dout.len, inp.len);
         // dinp(n x c) = dout(n x oc) · W(oc x c)
         self.gemm(
             &dinp.buf,
@@ -1021,9 +1020,7 @@ impl Backend for WgpuBackend {
     ) -> Result<()> {
         let (b, t, c, nh) = (s.batch, s.seq, s.width, s.heads);
         let hs = c / nh;
-        check(out, b * t * c, "attention out");
-        check(probs, s.probs_len(), "attention probs");
-        check(qkv, b * t * 3 * c, "attention qkv");
+        s.check_forward(out.len, probs.len, qkv.len);
         let scale = 1.0 / (hs as f32).sqrt();
         let seq_stride = t * 3 * c;
         let batched = |shape: GemmShape| GemmShape {
@@ -1085,10 +1082,7 @@ impl Backend for WgpuBackend {
     ) -> Result<()> {
         let (b, t, c, nh) = (s.batch, s.seq, s.width, s.heads);
         let hs = c / nh;
-        check(dqkv, b * t * 3 * c, "attention dqkv");
-        check(scratch, s.probs_len(), "attention scratch");
-        check(dout, b * t * c, "attention dout");
-        check(probs, s.probs_len(), "attention probs");
+        s.check_backward(dqkv.len, scratch.len, dout.len, probs.len);
         let scale = 1.0 / (hs as f32).sqrt();
         let seq_stride = t * 3 * c;
         let square = Operand::rows(t).batched(nh * t * t, t * t);
@@ -1192,9 +1186,8 @@ impl Backend for WgpuBackend {
         targets: &WgpuTokens,
         s: RowShape,
     ) -> Result<()> {
-        check(logits, s.rows * s.width, "cross-entropy logits");
+        s.check_cross_entropy(logits.len, targets.len);
         check(losses, s.rows, "cross-entropy losses");
-        assert_eq!(targets.len, s.rows);
         self.dispatch(
             &self.kernels.cross_entropy_forward,
             &[dim(s.rows), dim(s.width)],
@@ -1210,8 +1203,7 @@ impl Backend for WgpuBackend {
         s: RowShape,
         scale: f32,
     ) -> Result<()> {
-        check(probs, s.rows * s.width, "cross-entropy probs");
-        assert_eq!(targets.len, s.rows);
+        s.check_cross_entropy(probs.len, targets.len);
         let n = s.rows * s.width;
         self.dispatch(
             &self.kernels.cross_entropy_backward,
