@@ -3,7 +3,8 @@
 
 use super::kernels;
 use super::{
-    AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape, check_len,
+    AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape,
+    check_host_len, check_len,
 };
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -202,23 +203,13 @@ impl Backend for CpuBackend {
     }
 
     fn write(&self, buf: &mut Vec<f32>, host: &[f32]) -> Result<()> {
-        if buf.len() != host.len() {
-            return Err(BackendError::LengthMismatch {
-                device: buf.len(),
-                host: host.len(),
-            });
-        }
+        check_host_len(buf.len(), host.len())?;
         buf.copy_from_slice(host);
         Ok(())
     }
 
     fn download(&self, buf: &Vec<f32>, host: &mut [f32]) -> Result<()> {
-        if buf.len() != host.len() {
-            return Err(BackendError::LengthMismatch {
-                device: buf.len(),
-                host: host.len(),
-            });
-        }
+        check_host_len(buf.len(), host.len())?;
         host.copy_from_slice(buf);
         Ok(())
     }

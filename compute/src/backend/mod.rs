@@ -186,6 +186,15 @@ pub(crate) fn check_len(actual: usize, expected: usize, what: &str) {
     );
 }
 
+/// A host slice must have its device buffer's length to be copied in or out of it.
+pub(crate) fn check_host_len(device: usize, host: usize) -> Result<()> {
+    if device == host {
+        Ok(())
+    } else {
+        Err(BackendError::LengthMismatch { device, host })
+    }
+}
+
 /// A length or dimension as the `u32` that GPU kernels index with.
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub(crate) fn dim(v: usize) -> u32 {

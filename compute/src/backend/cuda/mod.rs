@@ -12,8 +12,8 @@
 //! are the same memory read with the same leading dimensions.
 
 use super::{
-    AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape, check_len,
-    dim,
+    AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape,
+    check_host_len, check_len, dim,
 };
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
@@ -338,12 +338,7 @@ impl Backend for CudaBackend {
     }
 
     fn write(&self, buf: &mut CudaBuffer, host: &[f32]) -> Result<()> {
-        if buf.len != host.len() {
-            return Err(BackendError::LengthMismatch {
-                device: buf.len,
-                host: host.len(),
-            });
-        }
+        check_host_len(buf.len, host.len())?;
         if host.is_empty() {
             return Ok(());
         }
@@ -352,12 +347,7 @@ impl Backend for CudaBackend {
     }
 
     fn download(&self, buf: &CudaBuffer, host: &mut [f32]) -> Result<()> {
-        if buf.len != host.len() {
-            return Err(BackendError::LengthMismatch {
-                device: buf.len,
-                host: host.len(),
-            });
-        }
+        check_host_len(buf.len, host.len())?;
         if host.is_empty() {
             return Ok(());
         }

@@ -13,8 +13,8 @@
 //! (`reduce_workgroup.wgsl`); the kernels are the same source either way.
 
 use super::{
-    AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape, check_len,
-    dim,
+    AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape,
+    check_host_len, check_len, dim,
 };
 use std::sync::{Arc, Mutex, MutexGuard};
 use wgpu::util::DeviceExt;
@@ -689,12 +689,7 @@ impl Backend for WgpuBackend {
     }
 
     fn write(&self, buf: &mut WgpuBuffer, host: &[f32]) -> Result<()> {
-        if buf.len != host.len() {
-            return Err(BackendError::LengthMismatch {
-                device: buf.len,
-                host: host.len(),
-            });
-        }
+        check_host_len(buf.len, host.len())?;
         if host.is_empty() {
             return Ok(());
         }
@@ -706,12 +701,7 @@ impl Backend for WgpuBackend {
     }
 
     fn download(&self, buf: &WgpuBuffer, host: &mut [f32]) -> Result<()> {
-        if buf.len != host.len() {
-            return Err(BackendError::LengthMismatch {
-                device: buf.len,
-                host: host.len(),
-            });
-        }
+        check_host_len(buf.len, host.len())?;
         let data = self.read(&buf.buf, buf.len as u64 * 4)?;
         for (h, c) in host.iter_mut().zip(data.chunks_exact(4)) {
             *h = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
