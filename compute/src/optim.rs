@@ -1,7 +1,9 @@
 //! Optimizer settings: AdamW with decoupled weight decay, a warmup + cosine learning-rate
 //! schedule and global gradient-norm clipping. The update itself runs on the backend
-//! ([`crate::Backend::adamw`]).
+//! ([`crate::Backend::adamw`]), or on the host for a swarm replica
+//! ([`crate::StageReplica::apply_step`]).
 
+use crate::backend::AdamWUpdate;
 use serde::{Deserialize, Serialize};
 
 /// AdamW hyper-parameters (GPT-2/nanoGPT defaults).
@@ -32,6 +34,20 @@ impl Default for AdamW {
 }
 
 impl AdamW {
+    /// The update of one tensor at 1-based optimizer step `step`: learning rate `lr`, weight
+    /// decay if the tensor `decays`, gradients multiplied by `grad_scale` first.
+    pub fn update(&self, lr: f32, decays: bool, step: u64, grad_scale: f32) -> AdamWUpdate {
+        AdamWUpdate {
+            lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: if decays { self.weight_decay } else { 0.0 },
+            step,
+            grad_scale,
+        }
+    }
+
     /// The factor to multiply gradients by so their global norm is at most `grad_clip`.
     pub fn clip_scale(&self, grad_norm: f64) -> f32 {
         if self.grad_clip > 0.0 && grad_norm > self.grad_clip as f64 {

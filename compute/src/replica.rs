@@ -12,7 +12,7 @@
 //! the outer Nesterov momentum), and can write its whole state as bytes for a joining peer or a
 //! checkpoint.
 
-use crate::backend::{AdamWUpdate, Backend, kernels};
+use crate::backend::{Backend, kernels};
 use crate::config::ModelConfig;
 use crate::optim::{AdamW, LrSchedule};
 use crate::stage::{
@@ -243,8 +243,8 @@ impl<B: Backend> StageReplica<B> {
             .map(|g| *g as f64 * *g as f64)
             .sum::<f64>()
             .sqrt();
-        let steps = self.stage.optimizer_steps() + 1;
-        let lr = self.schedule.lr(steps - 1);
+        let step = self.stage.optimizer_steps();
+        let lr = self.schedule.lr(step);
         let scale = self.optimizer.clip_scale(grad_norm);
         let mut params = self.stage.download_params()?;
         let (mut m, mut v) = self.stage.download_optimizer_state()?;
@@ -252,19 +252,7 @@ impl<B: Backend> StageReplica<B> {
         for info in self.stage.tensors() {
             let range = at..at + info.len;
             at += info.len;
-            let update = AdamWUpdate {
-                lr,
-                beta1: self.optimizer.beta1,
-                beta2: self.optimizer.beta2,
-                eps: self.optimizer.eps,
-                weight_decay: if info.decay {
-                    self.optimizer.weight_decay
-                } else {
-                    0.0
-                },
-                step: steps,
-                grad_scale: scale,
-            };
+            let update = self.optimizer.update(lr, info.decay, step + 1, scale);
             let (bc1, bc2) = update.bias_corrections();
             kernels::adamw(
                 &mut params[range.clone()],
@@ -277,7 +265,7 @@ impl<B: Backend> StageReplica<B> {
             );
         }
         self.stage.upload_params(&params)?;
-        self.stage.upload_optimizer_state(&m, &v, steps)?;
+        self.stage.upload_optimizer_state(&m, &v, step + 1)?;
         Ok(hash_f32s(&params))
     }
 

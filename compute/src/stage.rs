@@ -10,7 +10,7 @@
 //! gradients must be summed before each optimizer step ([`Stage::tied_embedding_grad`]) so that
 //! both copies take the same update and stay identical.
 
-use crate::backend::{AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, RowShape};
+use crate::backend::{AttentionShape, Backend, BackendError, MatmulShape, RowShape};
 use crate::config::ModelConfig;
 use crate::optim::AdamW;
 use crate::rng::{Rng, derive_seed};
@@ -1157,15 +1157,7 @@ impl<B: Backend> Stage<B> {
             .zip(self.grads.iter())
             .zip(self.adam_m.iter_mut().zip(self.adam_v.iter_mut()));
         for (((info, p), g), (m, v)) in tensors {
-            let update = AdamWUpdate {
-                lr,
-                beta1: opt.beta1,
-                beta2: opt.beta2,
-                eps: opt.eps,
-                weight_decay: if info.decay { opt.weight_decay } else { 0.0 },
-                step: self.optimizer_steps,
-                grad_scale,
-            };
+            let update = opt.update(lr, info.decay, self.optimizer_steps, grad_scale);
             b.adamw(p, g, m, v, &update)?;
         }
         Ok(())
