@@ -27,5 +27,5 @@ pub use config::{ModelConfig, Preset};
 pub use data::{Batch, Corpus, DataError, DataLoader, Shard};
 pub use optim::{AdamW, LrSchedule};
 pub use pipeline::{Coupling, LocalPipeline, StepStats, Transit};
-pub use replica::{ReplicaError, StageReplica, write_atomic};
+pub use replica::{ReplicaError, StageReplica, exported_state_len, write_atomic};
 pub use stage::{MicrobatchId, Stage, StageError, StageSpec};

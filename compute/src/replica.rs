@@ -465,6 +465,12 @@ impl<B: Backend> StageReplica<B> {
     }
 }
 
+/// Bytes of the state [`StageReplica::export_state`] writes for a stage of `params` parameters
+/// (with the DiLoCo outer momentum once an outer step was taken).
+pub fn exported_state_len(params: usize, outer_momentum: bool) -> usize {
+    state_len(params, if outer_momentum { 5 } else { 4 })
+}
+
 /// Size of an exported state with `sections` parameter-sized sections of `n` values.
 fn state_len(n: usize, sections: usize) -> usize {
     STATE_HEADER_LEN + sections * 4 * n + STATE_TRAILER_LEN

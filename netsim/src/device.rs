@@ -139,6 +139,7 @@ mod tests {
             params: vec![1000],
             activation_values: 8,
             memory: vec![0],
+            microbatch_memory: vec![0],
         };
         let d = DeviceProfile::named("t4").unwrap();
         let fwd = Job::Forward {

@@ -4,6 +4,8 @@
 //! machines (`shoal-protocol`) and compute (`shoal-compute`) as the node, over modelled links
 //! (latency, jitter, bandwidth with queueing, loss, partitions) and modelled devices. Compute
 //! runs for real on the CPU so loss curves are real; its duration comes from the device model.
+//! For models too large to train here, compute can be modelled instead ([`modelled`]): the
+//! same jobs answered with right-sized random tensors, for timing and traffic without a loss.
 //!
 //! This crate must never re-implement a protocol decision (if the simulator needs one, the
 //! state machine makes it), never read the wall clock, and never use randomness that does not
@@ -11,6 +13,7 @@
 
 pub mod device;
 pub mod link;
+pub mod modelled;
 pub mod report;
 pub mod scenario;
 pub mod sim;
@@ -18,8 +21,9 @@ pub mod worker;
 
 pub use device::DeviceProfile;
 pub use link::LinkProfile;
+pub use modelled::ModelledStage;
 pub use report::Report;
-pub use scenario::{Scenario, Setup};
+pub use scenario::{Compute, Scenario, Setup};
 pub use sim::{Progress, simulate};
 pub use worker::{StageWorker, model_of, stage_costs};
 

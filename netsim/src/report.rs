@@ -33,10 +33,15 @@ pub struct Report {
     pub achieved_tokens_per_s: f64,
     /// Achieved over ideal.
     pub efficiency: f64,
+    /// The fraction of their time present the peers' devices were busy (any job).
+    pub device_busy: f64,
     /// Optimizer steps the run took.
     pub steps: u64,
     /// Whether it reached its last step.
     pub finished: bool,
+    /// `real` (the model was trained: the loss is real) or `modelled` (timing and traffic only:
+    /// no loss).
+    pub compute: String,
     /// Mean loss of the last 5 steps.
     pub final_loss: Option<f64>,
     /// `[sim_s, step, loss]` per step.
@@ -100,6 +105,7 @@ impl Report {
                 (Some(a), Some(b)) => {
                     format!("{a:.4} at the first step, {b:.4} at the end (last 5 steps)")
                 }
+                _ if self.compute == "modelled" => "not computed (modelled compute)".into(),
                 _ => "-".into(),
             },
         );
@@ -115,6 +121,11 @@ impl Report {
             &mut out,
             "efficiency",
             format!("{:.1}%", 100.0 * self.efficiency),
+        );
+        row(
+            &mut out,
+            "devices busy",
+            format!("{:.1}% of the time", 100.0 * self.device_busy),
         );
         for kind in [
             "activations",

@@ -63,6 +63,10 @@ pub struct RunSection {
     /// `weighted` (the protocol's routing) or `uniform` (the baseline).
     #[serde(default = "weighted")]
     pub routing: String,
+    /// `real` (train the model on the CPU: real loss curve) or `modelled` (tensors of the right
+    /// sizes and random contents: timing and traffic only, for models too large to train here).
+    #[serde(default = "real")]
+    pub compute: String,
 }
 
 fn allreduce() -> String {
@@ -70,6 +74,9 @@ fn allreduce() -> String {
 }
 fn int8() -> String {
     "int8".into()
+}
+fn real() -> String {
+    "real".into()
 }
 fn weighted() -> String {
     "weighted".into()
@@ -199,6 +206,16 @@ pub struct Scripted {
     pub joiners: Option<Group>,
 }
 
+/// How the peers' compute jobs are carried out (their duration always comes from the device
+/// model).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Compute {
+    /// For real, on the CPU: the loss curve is real.
+    Real,
+    /// By [`crate::modelled::ModelledStage`]: right-sized tensors, no arithmetic, no loss.
+    Modelled,
+}
+
 /// A checked scenario, ready to simulate.
 #[derive(Clone, Debug)]
 pub struct Setup {
@@ -206,6 +223,8 @@ pub struct Setup {
     pub config: RunConfig,
     /// How microbatches are routed.
     pub routing: Routing,
+    /// Real or modelled compute.
+    pub compute: Compute,
     /// Peers present or joining.
     pub groups: Vec<Group>,
     /// Scripted events, in time order.
@@ -252,6 +271,11 @@ impl Scenario {
             "weighted" => Routing::Weighted,
             "uniform" => Routing::Uniform,
             other => return Err(format!("[run] routing: '{other}' (weighted or uniform)")),
+        };
+        let compute = match r.compute.as_str() {
+            "real" => Compute::Real,
+            "modelled" => Compute::Modelled,
+            other => return Err(format!("[run] compute: '{other}' (real or modelled)")),
         };
         let gradients = codec(&r.gradient_codec, "[run] gradient_codec")?;
         let codecs = TrafficCodecs {
@@ -349,6 +373,7 @@ impl Scenario {
         Ok(Setup {
             config,
             routing,
+            compute,
             groups,
             events,
             sim: self.sim.clone(),

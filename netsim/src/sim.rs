@@ -11,8 +11,9 @@
 
 use crate::device::DeviceProfile;
 use crate::link::{AccessLink, deliver};
+use crate::modelled::ModelledStage;
 use crate::report::{Recovery, Report};
-use crate::scenario::{EventKind, Group, Setup};
+use crate::scenario::{Compute, EventKind, Group, Setup};
 use crate::worker::{StageWorker, model_of, stage_costs};
 use shoal_compute::{Corpus, CpuBackend};
 use shoal_protocol::swarm::message::Traffic;
@@ -40,11 +41,26 @@ pub struct Progress {
     pub peers: usize,
 }
 
+/// What carries out a simulated peer's compute jobs.
+enum Worker {
+    Real(Box<StageWorker>),
+    Modelled(Box<ModelledStage>),
+}
+
+impl Worker {
+    fn run(&mut self, job: Job) -> ComputeDone {
+        match self {
+            Worker::Real(w) => w.run(job),
+            Worker::Modelled(w) => w.run(job),
+        }
+    }
+}
+
 /// One simulated peer.
 struct SimPeer {
     key: PeerKey,
     machine: Peer,
-    worker: StageWorker,
+    worker: Worker,
     device: DeviceProfile,
     link: AccessLink,
     joined_at: f64,
@@ -55,6 +71,8 @@ struct SimPeer {
     side_since: f64,
     /// When its device is free again.
     busy_until: f64,
+    /// Seconds its device has been given work for.
+    busy_total: f64,
     /// The deadline its pending timer event is for.
     timer: Option<u64>,
 }
@@ -357,8 +375,21 @@ impl Sim {
             );
             machine.set_memory(group.device.memory);
             machine.set_routing(self.setup.routing);
-            let corpus = Corpus::synthetic(self.config.seed);
-            let worker = StageWorker::new(self.config.clone(), self.backend.clone(), Some(corpus))?;
+            let worker = match self.setup.compute {
+                Compute::Real => {
+                    let corpus = Corpus::synthetic(self.config.seed);
+                    Worker::Real(Box::new(StageWorker::new(
+                        self.config.clone(),
+                        self.backend.clone(),
+                        Some(corpus),
+                    )?))
+                }
+                // Seeded by the key, not by a draw, so that real and modelled runs of one
+                // scenario draw the same random numbers.
+                Compute::Modelled => {
+                    Worker::Modelled(Box::new(ModelledStage::new(self.config.clone(), key.0)?))
+                }
+            };
             let index = self.peers.len();
             self.by_key.insert(key, index);
             self.peers.push(SimPeer {
@@ -372,6 +403,7 @@ impl Sim {
                 side: 0,
                 side_since: 0.0,
                 busy_until: self.now_s(),
+                busy_total: 0.0,
                 timer: None,
             });
             self.after(index);
@@ -556,6 +588,7 @@ impl Sim {
                     let done = p.worker.run(job);
                     let start = p.busy_until.max(secs(self.now));
                     p.busy_until = start + took.as_secs_f64();
+                    p.busy_total += took.as_secs_f64();
                     let at = ns(p.busy_until);
                     self.schedule(at, Ev::Computed { peer: i, done });
                 }
@@ -591,7 +624,8 @@ impl Sim {
                 // One point per step in allreduce mode (the replicas agree); every replica's
                 // local step in DiLoCo.
                 let local = matches!(self.config.sync, SyncMode::DiLoCo { .. });
-                if let Some(l) = loss.filter(|_| local || step > self.step) {
+                let computed = self.setup.compute == Compute::Real;
+                if let Some(l) = loss.filter(|_| computed && (local || step > self.step)) {
                     self.loss_curve
                         .push((self.now_s(), step.max(self.step), l as f64));
                 }
@@ -670,6 +704,20 @@ impl Sim {
             })
             .sum();
         let ideal = if end > 0.0 { token_seconds / end } else { 0.0 };
+        let present: f64 = self
+            .peers
+            .iter()
+            .map(|p| (p.gone_at.unwrap_or(end).min(end) - p.joined_at).max(0.0))
+            .sum();
+        // Work given past the end (or past a crash) did not happen.
+        let busy: f64 = self
+            .peers
+            .iter()
+            .map(|p| {
+                let left = p.gone_at.unwrap_or(end).min(end);
+                (p.busy_total - (p.busy_until - left).max(0.0)).max(0.0)
+            })
+            .sum();
         let achieved = if end > 0.0 {
             self.tokens as f64 / end
         } else {
@@ -700,8 +748,14 @@ impl Sim {
             ideal_tokens_per_s: ideal,
             achieved_tokens_per_s: achieved,
             efficiency: if ideal > 0.0 { achieved / ideal } else { 0.0 },
+            device_busy: if present > 0.0 { busy / present } else { 0.0 },
             steps: self.step,
             finished,
+            compute: match self.setup.compute {
+                Compute::Real => "real",
+                Compute::Modelled => "modelled",
+            }
+            .into(),
             final_loss,
             loss_curve: self.loss_curve,
             tokens_curve: self.tokens_curve,

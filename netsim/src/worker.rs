@@ -30,6 +30,26 @@ fn specs(config: &RunConfig) -> Vec<StageSpec> {
         .collect()
 }
 
+/// The tokens and next-token targets of `rows` samples from `index` on, as a driver reads
+/// them.
+pub fn read_samples(
+    corpus: &Corpus,
+    config: &RunConfig,
+    index: u64,
+    rows: u32,
+) -> (Vec<u32>, Vec<u32>) {
+    let seq = config.seq as usize;
+    let mut inputs = Vec::with_capacity(rows as usize * seq);
+    let mut targets = Vec::with_capacity(rows as usize * seq);
+    let mut sample = vec![0u32; seq + 1];
+    for r in 0..u64::from(rows) {
+        corpus.sample(config.seed, index.wrapping_add(r), &mut sample);
+        inputs.extend_from_slice(&sample[..seq]);
+        targets.extend_from_slice(&sample[1..]);
+    }
+    (inputs, targets)
+}
+
 /// What the protocol needs to know of the model's stages.
 pub fn stage_costs(config: &RunConfig, model: &ModelConfig, timing: &Timing) -> StageCosts {
     let seq = config.seq as usize;
@@ -46,6 +66,14 @@ pub fn stage_costs(config: &RunConfig, model: &ModelConfig, timing: &Timing) -> 
         memory: specs(config)
             .iter()
             .map(|s| s.train_memory_bytes(model, config.microbatch as usize, seq, in_flight))
+            .collect(),
+        microbatch_memory: specs(config)
+            .iter()
+            .map(|s| {
+                let rows = config.microbatch as usize;
+                s.train_memory_bytes(model, rows, seq, 1)
+                    - s.train_memory_bytes(model, rows, seq, 0)
+            })
             .collect(),
     }
 }
@@ -142,14 +170,7 @@ impl<B: Backend> StageWorker<B> {
                 match input {
                     Input::Sample { index } => {
                         let corpus = self.corpus.as_ref().ok_or("no data on this peer")?;
-                        let mut inputs = Vec::with_capacity(rows as usize * seq);
-                        let mut targets = Vec::with_capacity(rows as usize * seq);
-                        let mut sample = vec![0u32; seq + 1];
-                        for r in 0..rows as u64 {
-                            corpus.sample(self.config.seed, index.wrapping_add(r), &mut sample);
-                            inputs.extend_from_slice(&sample[..seq]);
-                            targets.extend_from_slice(&sample[1..]);
-                        }
+                        let (inputs, targets) = read_samples(corpus, &self.config, index, rows);
                         let out = self
                             .serving()?
                             .forward(id, shape, StageInput::Tokens(&inputs), Some(&targets))

@@ -68,6 +68,44 @@ fn a_seed_fixes_the_whole_trace() {
     }
 }
 
+/// Modelled compute changes nothing the protocol sees but the numbers inside the tensors: the
+/// same scenario and seed send the same bytes of every tensor traffic and take the same time;
+/// only the loss is missing. (Not the very same trace: announcements carry parameter hashes,
+/// whose varint encoding is a byte longer or shorter with the value.)
+#[test]
+fn modelled_compute_times_and_sends_what_real_compute_does() {
+    let real = run(SMALL, 3);
+    let modelled = run(
+        &SMALL.replace("steps = 12", "steps = 12\ncompute = \"modelled\""),
+        3,
+    );
+    assert_eq!(real.compute, "real");
+    assert_eq!(modelled.compute, "modelled");
+    assert!(real.final_loss.is_some() && !real.loss_curve.is_empty());
+    assert!(modelled.final_loss.is_none() && modelled.loss_curve.is_empty());
+    assert!(
+        modelled.table().contains("not computed"),
+        "{}",
+        modelled.table()
+    );
+    let tables = format!("modelled:\n{}\nreal:\n{}", modelled.table(), real.table());
+    assert!(modelled.finished, "{tables}");
+    assert_eq!(modelled.resyncs, 0, "{tables}");
+    let close = |a: f64, b: f64, tolerance: f64| (a - b).abs() <= tolerance * b.abs();
+    for kind in ["activations", "activation_grads", "averaging", "state"] {
+        let (m, r) = (modelled.bytes_per_token(kind), real.bytes_per_token(kind));
+        assert!(
+            close(m, r, 0.01),
+            "{kind}: {m} vs {r} bytes per token\n{tables}"
+        );
+    }
+    assert!(
+        close(modelled.sim_seconds, real.sim_seconds, 0.05),
+        "{tables}"
+    );
+    assert_eq!(modelled.recoveries.len(), real.recoveries.len(), "{tables}");
+}
+
 #[test]
 fn the_shipped_scenarios_are_valid() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../netsim/scenarios");
@@ -85,7 +123,16 @@ fn the_shipped_scenarios_are_valid() {
     assert_eq!(
         names,
         [
-            "churn", "demo", "hetero", "loopback", "regions", "scale", "wan"
+            "churn",
+            "churn-nano",
+            "demo",
+            "hetero",
+            "hetero-nano",
+            "loopback",
+            "regions",
+            "regions-nano",
+            "scale",
+            "wan"
         ]
     );
 }

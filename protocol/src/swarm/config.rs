@@ -186,8 +186,12 @@ pub struct StageCosts {
     pub params: Vec<usize>,
     /// Values in one microbatch's activations at a stage boundary (bounds tensor decoding).
     pub activation_values: usize,
-    /// Device memory each stage needs to train (state, optimizer and activations in flight).
+    /// Device memory each stage needs to train (state, optimizer and the activations of the
+    /// least window of microbatches in flight).
     pub memory: Vec<u64>,
+    /// Device memory one more microbatch in flight takes on each stage (its activations kept
+    /// for the backward pass).
+    pub microbatch_memory: Vec<u64>,
 }
 
 impl StageCosts {
@@ -209,8 +213,13 @@ pub struct Timing {
     pub microbatch_deadline: Duration,
     /// Attempts per microbatch before it is dropped.
     pub max_attempts: u32,
-    /// Microbatches a data driver keeps in flight per stage of the pipeline.
+    /// Microbatches a data driver keeps in flight per stage of the pipeline, at least (the
+    /// driver widens its window up to `max_in_flight_per_stage` when the round trip of a
+    /// microbatch needs more to keep the stages busy).
     pub in_flight_per_stage: u32,
+    /// The most microbatches a driver keeps in flight per stage, if the replicas' memory
+    /// holds them.
+    pub max_in_flight_per_stage: u32,
     /// How long a round's leader waits for the stage's replicas to join.
     pub join_window: Duration,
     /// How long any later phase of a round may take before missing peers are left out.
@@ -233,6 +242,7 @@ impl Default for Timing {
             microbatch_deadline: Duration::from_secs(4),
             max_attempts: 3,
             in_flight_per_stage: 2,
+            max_in_flight_per_stage: 16,
             join_window: Duration::from_secs(2),
             round_timeout: Duration::from_secs(8),
             choose_after: Duration::from_millis(1500),

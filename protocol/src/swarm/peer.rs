@@ -4,7 +4,7 @@
 use super::averaging::{Round, RoundOut};
 use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
 use super::ledger::{Arrival, Expiry, Ledger};
-use super::membership::{Membership, Placement, Routing, choose_stage, plan_move};
+use super::membership::{Membership, Placement, Routing, choose_stage, driver_window, plan_move};
 use super::message::{
     Announcement, Backward, Forward, MemberState, Message, RoundKey, RoundMsg, StateChunk,
 };
@@ -387,6 +387,9 @@ pub struct Peer {
     starve_check: Option<Duration>,
     early_joins: Vec<(RoundKey, PeerKey)>,
     rtt: f64,
+    /// The least round trip of a microbatch lately (no queueing on the way): this and the
+    /// last epoch of `RTT_EPOCH` microbatches.
+    rtt_floor: (f64, f64, u32),
     commit_queued: f64,
     held_commits: Vec<(u64, u64)>,
     inner_steps: u32,
@@ -470,6 +473,7 @@ impl Peer {
             starve_check: None,
             early_joins: Vec::new(),
             rtt: 0.0,
+            rtt_floor: (f64::INFINITY, f64::INFINITY, 0),
             commit_queued: 0.0,
             held_commits: Vec::new(),
             inner_steps: 0,
@@ -1517,7 +1521,7 @@ impl Peer {
         if !self.is_driver() || !self.pipeline_ready() {
             return;
         }
-        let limit = (self.timing.in_flight_per_stage * self.config.stages).max(1) as usize;
+        let limit = self.window();
         // Flow control: start no more than the step being collected needs (all drivers
         // together in allreduce mode, this driver's share of it in DiLoCo), so that a step
         // averages the global batch, not whatever arrived while the last round ran. Once
@@ -1680,6 +1684,21 @@ impl Peer {
 
     /// How long an attempt may take: three times the measured round trip of a microbatch,
     /// and never less than the configured floor (a slow pipeline is not a dead one).
+    /// Microbatches this driver keeps in flight (see [`driver_window`]).
+    fn window(&self) -> usize {
+        let stages = self.config.stages as usize;
+        let floor = (self.timing.in_flight_per_stage as usize * stages).max(1);
+        let ceiling = (self.timing.max_in_flight_per_stage as usize * stages).max(floor);
+        driver_window(
+            &self.placements(true),
+            &self.costs,
+            (floor, ceiling),
+            self.rtt_floor.0.min(self.rtt_floor.1),
+            self.throughput,
+            self.config.microbatch,
+        )
+    }
+
     fn microbatch_deadline(&self) -> Duration {
         self.timing
             .microbatch_deadline
@@ -1869,6 +1888,13 @@ impl Peer {
             } else {
                 rtt
             };
+            let (current, last, count) = &mut self.rtt_floor;
+            *current = current.min(rtt);
+            *count += 1;
+            if *count >= RTT_EPOCH {
+                *last = std::mem::replace(current, f64::INFINITY);
+                *count = 0;
+            }
             let route = self.routes.remove(&id).unwrap_or_default();
             for hop in route.iter().skip(1) {
                 self.send(*hop, Message::Commit { id });
@@ -2410,6 +2436,9 @@ impl Peer {
 
 /// Forwards of later steps a replica holds at most (each is a microbatch's activations).
 const MAX_HELD_FORWARDS: usize = 256;
+/// Microbatches over which the least round trip is taken (then it starts over, so that a
+/// route that got slower is noticed).
+const RTT_EPOCH: u32 = 64;
 
 /// A swarm-unique id for an attempt (or a sample): a mix of the peer and a counter.
 fn attempt_id(me: PeerKey, n: u64) -> u64 {

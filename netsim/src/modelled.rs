@@ -1,0 +1,440 @@
+//! Modelled compute: a stage replica that does no arithmetic, for scenarios whose model is too
+//! large to train for real on the simulating machine.
+//!
+//! It answers every compute job the protocol asks for with tensors of the sizes the real
+//! replica would produce (activations, input gradients, gradients, exported states), filled
+//! with seeded random values so the codecs see data like real data and every byte count on
+//! the links is the real one. Parameter hashes follow the same rule as real replicas: equal
+//! when two replicas applied the same updates from the same start, so agreement checks, state
+//! transfers and re-syncs work unchanged. What it cannot give is a loss curve: the loss it
+//! reports is a constant, and the simulator leaves it out of the report.
+//!
+//! Durations come from the device model either way, so a run's timing, traffic and protocol
+//! decisions are those of the real model; only the numbers inside the tensors are not.
+
+use crate::worker::read_samples;
+use shoal_compute::{Corpus, ModelConfig, StageSpec, exported_state_len};
+use shoal_protocol::swarm::{ComputeDone, Input, Job, Output, RunConfig, SeededRng};
+use std::collections::BTreeMap;
+use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
+
+/// One peer's modelled stage replica.
+pub struct ModelledStage {
+    config: RunConfig,
+    model: ModelConfig,
+    rng: SeededRng,
+    /// The run's data: targets are read as a real driver reads them (their encoding's size
+    /// depends on their values).
+    corpus: Corpus,
+    /// Random values that tensors are cut from (filling every tensor value by value would
+    /// cost more than the codecs it is made for).
+    noise: Vec<f32>,
+    /// The replica served, if any.
+    replica: Option<Replica>,
+}
+
+struct Replica {
+    stage: u32,
+    params: usize,
+    hash: u64,
+    /// DiLoCo: the hash of the parameters the current outer round started from.
+    anchor: u64,
+    outer_steps: u64,
+    /// Rows of microbatches past their forward pass, by attempt id.
+    forwarded: BTreeMap<u64, u32>,
+    /// Rows of microbatches past their backward pass, not yet committed.
+    pending: BTreeMap<u64, u32>,
+    /// Samples committed to the step being accumulated.
+    samples: f64,
+}
+
+/// Length of the noise tensors are cut from: prime, so that its period does not line up with
+/// rows of a tensor.
+const NOISE_LEN: usize = 65_521;
+
+/// Magic of a modelled state (its bytes after this and the two hashes are filler).
+const STATE_MAGIC: &[u8; 8] = b"SHOALSIM";
+
+impl ModelledStage {
+    /// A modelled replica for `config`; `seed` fills its tensors.
+    pub fn new(config: RunConfig, seed: u64) -> Result<Self, String> {
+        let model = crate::worker::model_of(&config)?;
+        let mut rng = SeededRng::new(seed);
+        let mut noise = vec![0.0; NOISE_LEN];
+        fill_random(&mut noise, &mut rng);
+        Ok(ModelledStage {
+            corpus: Corpus::synthetic(config.seed),
+            config,
+            model,
+            rng,
+            noise,
+            replica: None,
+        })
+    }
+
+    /// Runs `job`; a failure is reported to the protocol as `ComputeDone::Failed`.
+    pub fn run(&mut self, job: Job) -> ComputeDone {
+        self.try_run(job)
+            .unwrap_or_else(|error| ComputeDone::Failed { error })
+    }
+
+    fn build(&self, stage: u32, hash: u64, anchor: u64, outer_steps: u64) -> Replica {
+        let spec = StageSpec {
+            index: stage as usize,
+            count: self.config.stages as usize,
+        };
+        Replica {
+            stage,
+            params: spec.param_count(&self.model),
+            hash,
+            anchor,
+            outer_steps,
+            forwarded: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            samples: 0.0,
+        }
+    }
+
+    fn serving(&mut self) -> Result<&mut Replica, String> {
+        self.replica.as_mut().ok_or_else(|| "no stage yet".into())
+    }
+
+    /// Values of one microbatch's activations (or their gradient) at a stage boundary.
+    fn boundary_values(&self, rows: u32) -> usize {
+        rows as usize * self.config.seq as usize * self.model.width
+    }
+
+    /// `n` random values: the noise, from a random place on, round and round.
+    fn random(&mut self, n: usize) -> Vec<f32> {
+        let mut v = Vec::with_capacity(n);
+        let mut at = (self.rng.next_u64() % NOISE_LEN as u64) as usize;
+        while v.len() < n {
+            let take = (n - v.len()).min(NOISE_LEN - at);
+            v.extend_from_slice(&self.noise[at..at + take]);
+            at = 0;
+        }
+        v
+    }
+
+    fn try_run(&mut self, job: Job) -> Result<ComputeDone, String> {
+        Ok(match job {
+            Job::Init { stage } => {
+                // Every replica of a stage starts from the same parameters.
+                let hash = xxh3_64(
+                    &[
+                        self.config.seed.to_le_bytes(),
+                        u64::from(stage).to_le_bytes(),
+                    ]
+                    .concat(),
+                );
+                self.replica = Some(self.build(stage, hash, hash, 0));
+                ComputeDone::Ready { hash }
+            }
+            Job::Import { stage, state } => {
+                let field = |i: usize| {
+                    state
+                        .get(8 + 8 * i..16 + 8 * i)
+                        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+                };
+                let (Some(hash), Some(anchor), Some(outer_steps)) = (field(0), field(1), field(2))
+                else {
+                    return Err("the saved state is too short".into());
+                };
+                if &state[..8] != STATE_MAGIC {
+                    return Err("the saved state is not a modelled stage's".into());
+                }
+                self.replica = Some(self.build(stage, hash, anchor, outer_steps));
+                ComputeDone::Ready { hash }
+            }
+            Job::Forward {
+                id,
+                rows,
+                input,
+                targets,
+            } => {
+                let tokens = rows as usize * self.config.seq as usize;
+                let last = self.serving()?.stage + 1 == self.config.stages;
+                let mut read_targets = None;
+                match &input {
+                    Input::Sample { index } => {
+                        read_targets =
+                            Some(read_samples(&self.corpus, &self.config, *index, rows).1);
+                    }
+                    Input::Activations(acts) => {
+                        let want = self.boundary_values(rows);
+                        if acts.len() != want {
+                            return Err(format!(
+                                "activations of {} values, expected {want}",
+                                acts.len()
+                            ));
+                        }
+                    }
+                }
+                if last && targets.as_ref().or(read_targets.as_ref()).map(Vec::len) != Some(tokens)
+                {
+                    return Err("the last stage needs one target per token".into());
+                }
+                let output = if last {
+                    // A uniform guess: the loss is not computed.
+                    Output::Loss((self.model.vocab as f32).ln())
+                } else {
+                    Output::Activations(self.random(self.boundary_values(rows)))
+                };
+                self.serving()?.forwarded.insert(id, rows);
+                ComputeDone::Forward {
+                    id,
+                    output,
+                    targets: read_targets,
+                }
+            }
+            Job::Backward { id, grad, rows } => {
+                let first = {
+                    let r = self.serving()?;
+                    if r.forwarded.remove(&id).is_none() {
+                        return Err(format!(
+                            "no forward pass of microbatch {id} to go back through"
+                        ));
+                    }
+                    r.pending.insert(id, rows);
+                    r.stage == 0
+                };
+                if let Some(g) = &grad {
+                    let want = self.boundary_values(rows);
+                    if g.len() != want {
+                        return Err(format!(
+                            "an output gradient of {} values, expected {want}",
+                            g.len()
+                        ));
+                    }
+                }
+                ComputeDone::Backward {
+                    id,
+                    grad: (!first).then(|| self.random(self.boundary_values(rows))),
+                }
+            }
+            Job::Commit { id } => {
+                let r = self.serving()?;
+                if let Some(rows) = r.pending.remove(&id) {
+                    r.samples += f64::from(rows);
+                }
+                ComputeDone::Done
+            }
+            Job::Abort { id } => {
+                if let Some(r) = self.replica.as_mut() {
+                    r.forwarded.remove(&id);
+                    r.pending.remove(&id);
+                }
+                ComputeDone::Done
+            }
+            Job::TakeGradient => {
+                let (params, samples) = {
+                    let r = self.serving()?;
+                    (r.params, std::mem::take(&mut r.samples))
+                };
+                let values = if samples > 0.0 {
+                    self.random(params)
+                } else {
+                    vec![0.0; params]
+                };
+                ComputeDone::Gradient { values, samples }
+            }
+            Job::TakePseudoGradient => {
+                let params = self.serving()?.params;
+                ComputeDone::Gradient {
+                    values: self.random(params),
+                    samples: 0.0,
+                }
+            }
+            Job::Step { grad } => {
+                let r = self.serving()?;
+                check_params(r, grad.len())?;
+                r.hash = hash_update(r.hash, &grad);
+                ComputeDone::Stepped { hash: r.hash }
+            }
+            Job::LocalStep => {
+                let r = self.serving()?;
+                r.samples = 0.0;
+                r.hash = xxh3_64(&[r.hash.to_le_bytes(), *b"localstp"].concat());
+                ComputeDone::Stepped { hash: r.hash }
+            }
+            Job::OuterStep { avg, .. } => {
+                let r = self.serving()?;
+                check_params(r, avg.len())?;
+                r.anchor = hash_update(r.anchor, &avg);
+                r.hash = r.anchor;
+                r.outer_steps += 1;
+                ComputeDone::Stepped { hash: r.hash }
+            }
+            Job::Export { to } => {
+                let (params, fields) = {
+                    let r = self.serving()?;
+                    (r.params, [r.hash, r.anchor, r.outer_steps])
+                };
+                let outer_momentum = fields[2] > 0;
+                let len = exported_state_len(params, outer_momentum);
+                let mut bytes = Vec::with_capacity(len);
+                bytes.extend_from_slice(STATE_MAGIC);
+                for f in fields {
+                    bytes.extend_from_slice(&f.to_le_bytes());
+                }
+                let filler = self.random(len.saturating_sub(bytes.len()).div_ceil(4));
+                bytes.extend(filler.iter().flat_map(|x| x.to_le_bytes()));
+                bytes.truncate(len);
+                ComputeDone::State { to, bytes }
+            }
+            Job::Checkpoint { .. } => ComputeDone::Done,
+        })
+    }
+}
+
+fn check_params(r: &Replica, len: usize) -> Result<(), String> {
+    if len == r.params {
+        Ok(())
+    } else {
+        Err(format!(
+            "an update of {len} values for {} parameters",
+            r.params
+        ))
+    }
+}
+
+/// The hash of parameters `hash` after an update by `values`: equal inputs, equal hashes.
+fn hash_update(hash: u64, values: &[f32]) -> u64 {
+    let mut h = Xxh3Default::new();
+    h.update(&hash.to_le_bytes());
+    for chunk in values.chunks(4096) {
+        let bytes: Vec<u8> = chunk.iter().flat_map(|x| x.to_le_bytes()).collect();
+        h.update(&bytes);
+    }
+    h.digest()
+}
+
+/// Uniform values in [-1, 1), two per draw of the generator.
+fn fill_random(values: &mut [f32], rng: &mut SeededRng) {
+    const SCALE: f32 = 1.0 / (1u32 << 23) as f32;
+    for pair in values.chunks_mut(2) {
+        let bits = rng.next_u64();
+        for (i, v) in pair.iter_mut().enumerate() {
+            let x = ((bits >> (32 * i)) as u32) >> 8;
+            *v = x as f32 * SCALE - 1.0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_protocol::swarm::PeerKey;
+
+    fn config() -> RunConfig {
+        crate::Scenario::parse(
+            "[run]\npreset = \"mini\"\nstages = 2\nglobal_batch = 8\nmicrobatch = 2\nsteps = 1\n\
+             compute = \"modelled\"\n[[peers]]\ncount = 1\ndevice = \"t4\"\nlink = \"metro\"\n",
+        )
+        .unwrap()
+        .config
+    }
+
+    #[test]
+    fn tensors_have_the_real_replicas_sizes() {
+        let config = config();
+        let model = crate::worker::model_of(&config).unwrap();
+        let boundary = 2 * config.seq as usize * model.width;
+        let mut first = ModelledStage::new(config.clone(), 1).unwrap();
+        let mut last = ModelledStage::new(config.clone(), 2).unwrap();
+        first.run(Job::Init { stage: 0 });
+        last.run(Job::Init { stage: 1 });
+        let ComputeDone::Forward {
+            output: Output::Activations(acts),
+            targets: Some(targets),
+            ..
+        } = first.run(Job::Forward {
+            id: 7,
+            rows: 2,
+            input: Input::Sample { index: 0 },
+            targets: None,
+        })
+        else {
+            panic!("the first stage forwards activations and reads targets")
+        };
+        assert_eq!(acts.len(), boundary);
+        let ComputeDone::Forward {
+            output: Output::Loss(_),
+            ..
+        } = last.run(Job::Forward {
+            id: 7,
+            rows: 2,
+            input: Input::Activations(acts),
+            targets: Some(targets),
+        })
+        else {
+            panic!("the last stage reports a loss")
+        };
+        let ComputeDone::Backward { grad: Some(g), .. } = last.run(Job::Backward {
+            id: 7,
+            grad: None,
+            rows: 2,
+        }) else {
+            panic!("the last stage sends an input gradient back")
+        };
+        assert_eq!(g.len(), boundary);
+        let ComputeDone::Backward { grad: None, .. } = first.run(Job::Backward {
+            id: 7,
+            grad: Some(g),
+            rows: 2,
+        }) else {
+            panic!("the first stage has no input gradient")
+        };
+        first.run(Job::Commit { id: 7 });
+        let ComputeDone::Gradient { values, samples } = first.run(Job::TakeGradient) else {
+            panic!("a gradient")
+        };
+        let spec = StageSpec { index: 0, count: 2 };
+        assert_eq!(values.len(), spec.param_count(&model));
+        assert_eq!(samples, 2.0);
+        let ComputeDone::State { bytes, .. } = first.run(Job::Export { to: PeerKey(1) }) else {
+            panic!("a state")
+        };
+        assert_eq!(bytes.len(), exported_state_len(values.len(), false));
+    }
+
+    #[test]
+    fn replicas_agree_exactly_when_they_took_the_same_steps() {
+        let config = config();
+        let mut a = ModelledStage::new(config.clone(), 1).unwrap();
+        let mut b = ModelledStage::new(config.clone(), 2).unwrap();
+        let ComputeDone::Ready { hash: ha } = a.run(Job::Init { stage: 1 }) else {
+            panic!()
+        };
+        let ComputeDone::Ready { hash: hb } = b.run(Job::Init { stage: 1 }) else {
+            panic!()
+        };
+        assert_eq!(ha, hb);
+        let n = a.replica.as_ref().unwrap().params;
+        let grad = a.random(n);
+        let step = |s: &mut ModelledStage, grad: &[f32]| match s.run(Job::Step {
+            grad: grad.to_vec(),
+        }) {
+            ComputeDone::Stepped { hash } => hash,
+            other => panic!("{other:?}"),
+        };
+        let (sa, sb) = (step(&mut a, &grad), step(&mut b, &grad));
+        assert_eq!(sa, sb);
+        assert_ne!(sa, ha);
+        // A state transfer carries the hash; a different update gives a different one.
+        let ComputeDone::State { bytes, .. } = a.run(Job::Export { to: PeerKey(2) }) else {
+            panic!()
+        };
+        let mut c = ModelledStage::new(config, 3).unwrap();
+        assert!(matches!(
+            c.run(Job::Import { stage: 1, state: bytes }),
+            ComputeDone::Ready { hash } if hash == sa
+        ));
+        let other = c.random(n);
+        assert_ne!(step(&mut c, &other), step(&mut a, &grad));
+        assert!(matches!(
+            a.run(Job::Step { grad: vec![0.0; 3] }),
+            ComputeDone::Failed { .. }
+        ));
+    }
+}
