@@ -161,9 +161,17 @@ pub fn fits(memory: u64, need: u64) -> bool {
     memory == 0 || need <= memory
 }
 
-/// Routing weights of a list of candidate announcements: throughput / (1 + queue). Peers not
-/// measured yet count as the mean of the measured ones (or 1 if none is), so newcomers get
-/// work from the start.
+/// A replica whose expected time to finish one more microbatch ((1 + queue) / throughput) is
+/// more than this many times the best candidate's gets none: in synchronous training a step
+/// waits for its last microbatch, and one sent to a device hundreds of times slower than the
+/// rest would hold up the whole swarm.
+pub const STRAGGLER_FACTOR: f64 = 4.0;
+
+/// Routing weights of a list of candidate announcements: throughput / (1 + queue), the inverse
+/// of the expected time to finish one more microbatch, and 0 for a candidate more than
+/// [`STRAGGLER_FACTOR`] times slower by that measure than the best. Peers not measured yet
+/// count as the mean of the measured ones (or 1 if none is), so newcomers get work from the
+/// start.
 pub fn route_weights<'a>(candidates: impl Iterator<Item = &'a Announcement>) -> Vec<f64> {
     let list: Vec<&Announcement> = candidates.collect();
     let measured: Vec<f64> = list
@@ -176,13 +184,21 @@ pub fn route_weights<'a>(candidates: impl Iterator<Item = &'a Announcement>) -> 
     } else {
         measured.iter().sum::<f64>() / measured.len() as f64
     };
-    list.iter()
+    let mut weights: Vec<f64> = list
+        .iter()
         .map(|a| {
             let t = a.throughput as f64;
             let t = if t.is_finite() && t > 0.0 { t } else { default };
             t / (1.0 + a.queue as f64)
         })
-        .collect()
+        .collect();
+    let best = weights.iter().copied().fold(0.0, f64::max);
+    for w in &mut weights {
+        if *w * STRAGGLER_FACTOR < best {
+            *w = 0.0;
+        }
+    }
+    weights
 }
 
 /// One peer's place in the balance: its stage and its measured throughput there.
@@ -414,6 +430,11 @@ mod tests {
         m.update(PeerKey(1), announcement(1, 30.0, 2), now);
         let w = route_weights([announcement(1, 30.0, 2), announcement(1, 10.0, 0)].iter());
         assert!((w[0] - w[1]).abs() < 1e-9);
+        // A straggler (here 5x slower than an idle peer) gets nothing until the others queue.
+        let w = route_weights([announcement(1, 50.0, 0), announcement(1, 10.0, 0)].iter());
+        assert_eq!(w, [50.0, 0.0]);
+        let w = route_weights([announcement(1, 50.0, 1), announcement(1, 10.0, 0)].iter());
+        assert_eq!(w, [25.0, 10.0]);
         // Retries avoid the previous replica when another exists.
         for _ in 0..100 {
             assert_eq!(

@@ -1971,17 +1971,35 @@ impl Peer {
     /// This driver's share of a step's samples: the step's microbatches dealt out over the
     /// drivers (the first stage's replicas) in key order, so that together they start the
     /// global batch and no more.
+    /// Samples this driver starts for a step. In allreduce mode the step's microbatches are
+    /// dealt out in proportion to the drivers' throughput (a fast driver must not wait for a
+    /// slow one to push its equal part through), by largest remainder in key order; equally
+    /// while any driver's throughput is unknown, and in DiLoCo, where every replica's local
+    /// step is an equal part of the global batch.
     fn driver_share(&self) -> f64 {
-        let mut drivers = self.members.replicas(0);
-        if !drivers.contains(&self.me) {
-            drivers.push(self.me);
+        let mut drivers: Vec<(PeerKey, f64)> = self
+            .placements(true)
+            .iter()
+            .filter(|p| p.stage == 0)
+            .map(|p| (p.peer, p.throughput))
+            .collect();
+        if !drivers.iter().any(|d| d.0 == self.me) {
+            drivers.push((self.me, self.throughput));
         }
-        drivers.sort_unstable();
-        let n = drivers.len() as u64;
-        let position = drivers.iter().position(|k| *k == self.me).unwrap_or(0) as u64;
+        drivers.sort_unstable_by_key(|d| d.0);
+        let weighted = self.config.sync == SyncMode::AllReduce
+            && drivers.iter().all(|d| d.1.is_finite() && d.1 > 0.0);
+        if !weighted {
+            drivers.iter_mut().for_each(|d| d.1 = 1.0);
+        }
         let rows = self.config.microbatch.max(1) as u64;
         let microbatches = (self.config.global_batch as u64).div_ceil(rows);
-        let mine = microbatches / n + u64::from(position < microbatches % n);
+        let weights: Vec<f64> = drivers.iter().map(|d| d.1).collect();
+        let position = drivers.iter().position(|d| d.0 == self.me).unwrap_or(0);
+        let mine = deal(microbatches, &weights)
+            .get(position)
+            .copied()
+            .unwrap_or(0);
         (mine * rows) as f64
     }
 
@@ -2436,6 +2454,27 @@ impl Peer {
 
 /// Forwards of later steps a replica holds at most (each is a microbatch's activations).
 const MAX_HELD_FORWARDS: usize = 256;
+
+/// `items` dealt out in proportion to `weights` (whole items, summing to `items`): the floor
+/// of each exact share, then one more to the largest remainders, earlier entries first.
+fn deal(items: u64, weights: &[f64]) -> Vec<u64> {
+    let total: f64 = weights.iter().sum();
+    if weights.is_empty() || total.is_nan() || total <= 0.0 {
+        return vec![0; weights.len()];
+    }
+    let exact: Vec<f64> = weights.iter().map(|w| items as f64 * w / total).collect();
+    let mut dealt: Vec<u64> = exact.iter().map(|e| e.floor() as u64).collect();
+    let mut order: Vec<usize> = (0..weights.len()).collect();
+    order.sort_by(|a, b| {
+        let (fa, fb) = (exact[*a] - exact[*a].floor(), exact[*b] - exact[*b].floor());
+        fb.total_cmp(&fa).then(a.cmp(b))
+    });
+    let left = items.saturating_sub(dealt.iter().sum());
+    for i in order.into_iter().cycle().take(left as usize) {
+        dealt[i] += 1;
+    }
+    dealt
+}
 /// Microbatches over which the least round trip is taken (then it starts over, so that a
 /// route that got slower is noticed).
 const RTT_EPOCH: u32 = 64;
@@ -2443,4 +2482,25 @@ const RTT_EPOCH: u32 = 64;
 /// A swarm-unique id for an attempt (or a sample): a mix of the peer and a counter.
 fn attempt_id(me: PeerKey, n: u64) -> u64 {
     SeededRng::new(me.0 ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::deal;
+
+    #[test]
+    fn microbatches_are_dealt_in_proportion_and_all_of_them() {
+        // Equal weights: the first drivers in key order take the remainder.
+        assert_eq!(deal(8, &[1.0, 1.0, 1.0]), [3, 3, 2]);
+        assert_eq!(deal(8, &[3.0, 1.0]), [6, 2]);
+        // A driver 100 times slower gets what its speed is worth, possibly nothing.
+        assert_eq!(deal(8, &[100.0, 100.0, 1.0]), [4, 4, 0]);
+        assert_eq!(deal(64, &[100.0, 100.0, 1.0]), [32, 32, 0]);
+        assert_eq!(deal(201, &[100.0, 100.0, 1.0]), [100, 100, 1]);
+        for (items, weights) in [(7, vec![0.3, 0.3, 0.4]), (1000, vec![1e-9, 5.0, 7.5, 2.0])] {
+            assert_eq!(deal(items, &weights).iter().sum::<u64>(), items);
+        }
+        assert_eq!(deal(5, &[]), Vec::<u64>::new());
+        assert_eq!(deal(5, &[0.0, 0.0]), [0, 0]);
+    }
 }
