@@ -267,11 +267,10 @@ impl Scenario {
             "diloco" => return Err("[run] diloco_h must be at least 1".into()),
             other => return Err(format!("[run] sync: '{other}' (allreduce or diloco)")),
         };
-        let routing = match r.routing.as_str() {
-            "weighted" => Routing::Weighted,
-            "uniform" => Routing::Uniform,
-            other => return Err(format!("[run] routing: '{other}' (weighted or uniform)")),
-        };
+        let routing: Routing = r
+            .routing
+            .parse()
+            .map_err(|e| format!("[run] routing: {e}"))?;
         let compute = match r.compute.as_str() {
             "real" => Compute::Real,
             "modelled" => Compute::Modelled,

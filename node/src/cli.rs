@@ -169,6 +169,11 @@ pub struct RunArgs {
     /// Write a JSON report here on exit.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// How this peer shares out work: weighted (replicas by throughput and queue, skipping
+    /// stragglers; a driver's part of a step by its throughput) or uniform (every replica and
+    /// driver alike, however slow).
+    #[arg(long, default_value = "weighted")]
+    pub routing: shoal_protocol::swarm::membership::Routing,
     #[command(flatten)]
     pub device: DeviceArgs,
     /// The key file of this peer's identity (created on first run, owner-only).

@@ -399,6 +399,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let now = || start.elapsed();
     let seed = config.seed ^ me.0;
     let mut peer = Peer::new(me, config.clone(), costs, timing, seed, resume, now());
+    peer.set_routing(args.routing);
     peer.set_checkpoint_every(
         args.checkpoint_dir
             .as_ref()

@@ -149,11 +149,24 @@ impl Membership {
 /// How a sender picks the next stage's replica.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Routing {
-    /// At random, weighted by throughput / (1 + queue): the protocol's policy.
+    /// At random, weighted by throughput / (1 + queue) and skipping stragglers, and parts of
+    /// a step in proportion to the drivers' throughput: the protocol's policy.
     #[default]
     Weighted,
-    /// Uniformly at random: the baseline the weighted policy is measured against.
+    /// Uniformly at random, and equal parts of a step for every driver: the baseline the
+    /// weighted policy is measured against.
     Uniform,
+}
+
+impl std::str::FromStr for Routing {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "weighted" => Ok(Routing::Weighted),
+            "uniform" => Ok(Routing::Uniform),
+            other => Err(format!("unknown routing '{other}' (weighted or uniform)")),
+        }
+    }
 }
 
 /// Whether a peer with `memory` bytes (0: not limited) can hold a stage needing `need`.

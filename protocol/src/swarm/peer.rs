@@ -1971,8 +1971,8 @@ impl Peer {
     /// This driver's share of a step's samples: the step's microbatches dealt out over the
     /// drivers (the first stage's replicas) in key order, so that together they start the
     /// global batch and no more.
-    /// Samples this driver starts for a step. In allreduce mode the step's microbatches are
-    /// dealt out in proportion to the drivers' throughput (a fast driver must not wait for a
+    /// Samples this driver starts for a step. In allreduce mode with weighted routing the
+    /// step's microbatches are dealt out in proportion to the drivers' throughput (a fast driver must not wait for a
     /// slow one to push its equal part through), by largest remainder in key order; equally
     /// while any driver's throughput is unknown, and in DiLoCo, where every replica's local
     /// step is an equal part of the global batch.
@@ -1988,6 +1988,7 @@ impl Peer {
         }
         drivers.sort_unstable_by_key(|d| d.0);
         let weighted = self.config.sync == SyncMode::AllReduce
+            && self.routing == Routing::Weighted
             && drivers.iter().all(|d| d.1.is_finite() && d.1 > 0.0);
         if !weighted {
             drivers.iter_mut().for_each(|d| d.1 = 1.0);
