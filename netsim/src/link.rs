@@ -151,16 +151,31 @@ impl AccessLink {
     }
 }
 
+/// Messages up to this size do not wait behind the bulk transfers queued on a link: QUIC
+/// multiplexes streams, so a small message's few packets go out between a large transfer's
+/// (the node sends every message on a stream of its own). They still take their share of the
+/// bandwidth.
+pub const SMALL_MESSAGE: u64 = 16 * 1024;
+
 /// When a message of `bytes` sent at `now` from `from` arrives at `to`; updates both queues.
 pub fn deliver(now: f64, bytes: u64, from: &mut AccessLink, to: &mut AccessLink) -> f64 {
     let size = bytes as f64 * 8.0;
     let latency = (from.latency + to.latency) / 2.0;
-    let up_start = now.max(from.up_free);
-    let up_end = up_start + size / from.profile.up_bps;
-    from.up_free = up_end;
-    let down_start = (up_start + latency).max(to.down_free);
-    let down_end = (down_start + size / to.profile.down_bps).max(up_end + latency);
-    to.down_free = down_end;
+    let (up_time, down_time) = (size / from.profile.up_bps, size / to.profile.down_bps);
+    let down_end = if bytes <= SMALL_MESSAGE {
+        // Interleaved: its own serialisation only, and the queues are pushed back by as much.
+        from.up_free = from.up_free.max(now) + up_time;
+        to.down_free = to.down_free.max(now + latency) + down_time;
+        now + up_time.max(down_time) + latency
+    } else {
+        let up_start = now.max(from.up_free);
+        let up_end = up_start + up_time;
+        from.up_free = up_end;
+        let down_start = (up_start + latency).max(to.down_free);
+        let down_end = (down_start + down_time).max(up_end + latency);
+        to.down_free = down_end;
+        down_end
+    };
     let mut extra = 0.0;
     let jitter = from.profile.jitter.max(to.profile.jitter);
     if jitter > 0.0 {
@@ -227,6 +242,24 @@ mod tests {
         let t2 = deliver(1.0, bytes, &mut e, &mut c);
         let one = 11e6 / 500e6;
         assert!((t2 - t1 - one).abs() < 1e-9, "{t1} {t2}");
+    }
+
+    /// A small message (an announcement, a commit) overtakes a bulk transfer queued on the
+    /// same links, as QUIC's streams interleave, and pushes it back by its own size.
+    #[test]
+    fn a_small_message_does_not_wait_behind_a_bulk_transfer() {
+        let mut rng = SeededRng::new(1);
+        let mut a = AccessLink::new(fixed("home"), &mut rng);
+        let mut b = AccessLink::new(fixed("home"), &mut rng);
+        let bulk = 13_750_000u64; // 1 s on a 110 Mbit/s uplink
+        let t_bulk = deliver(0.0, bulk, &mut a, &mut b);
+        let small = 1_000u64;
+        let t_small = deliver(0.0, small, &mut a, &mut b);
+        let serialise = 8e3 / 110e6;
+        assert!((t_small - (0.030 + serialise)).abs() < 1e-9, "{t_small}");
+        // The next bulk transfer leaves after both.
+        let t_next = deliver(0.0, bulk, &mut a, &mut b);
+        assert!((t_next - (t_bulk + 1.0 + serialise)).abs() < 1e-9, "{t_bulk} {t_next}");
     }
 
     #[test]
