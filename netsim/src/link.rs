@@ -259,7 +259,10 @@ mod tests {
         assert!((t_small - (0.030 + serialise)).abs() < 1e-9, "{t_small}");
         // The next bulk transfer leaves after both.
         let t_next = deliver(0.0, bulk, &mut a, &mut b);
-        assert!((t_next - (t_bulk + 1.0 + serialise)).abs() < 1e-9, "{t_bulk} {t_next}");
+        assert!(
+            (t_next - (t_bulk + 1.0 + serialise)).abs() < 1e-9,
+            "{t_bulk} {t_next}"
+        );
     }
 
     #[test]

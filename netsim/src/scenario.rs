@@ -216,6 +216,16 @@ pub enum Compute {
     Modelled,
 }
 
+impl Compute {
+    /// The name used in scenario files and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Compute::Real => "real",
+            Compute::Modelled => "modelled",
+        }
+    }
+}
+
 /// A checked scenario, ready to simulate.
 #[derive(Clone, Debug)]
 pub struct Setup {
@@ -271,11 +281,10 @@ impl Scenario {
             .routing
             .parse()
             .map_err(|e| format!("[run] routing: {e}"))?;
-        let compute = match r.compute.as_str() {
-            "real" => Compute::Real,
-            "modelled" => Compute::Modelled,
-            other => return Err(format!("[run] compute: '{other}' (real or modelled)")),
-        };
+        let compute = [Compute::Real, Compute::Modelled]
+            .into_iter()
+            .find(|c| c.name() == r.compute)
+            .ok_or_else(|| format!("[run] compute: '{}' (real or modelled)", r.compute))?;
         let gradients = codec(&r.gradient_codec, "[run] gradient_codec")?;
         let codecs = TrafficCodecs {
             activations: codec(&r.activation_codec, "[run] activation_codec")?,
@@ -440,6 +449,10 @@ count = 2                # peers chosen by the seed (or `peers = [ids]`)
                 "unknown field",
             ),
             (EXAMPLE.replace("\"int8\"", "\"int3\""), "unknown codec"),
+            (
+                EXAMPLE.replace("steps = 40", "steps = 40\ncompute = \"guessed\""),
+                "real or modelled",
+            ),
             (EXAMPLE.replace("at_s = 60.0", "at_s = -1.0"), "not a time"),
         ];
         for (text, want) in cases {

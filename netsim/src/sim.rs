@@ -751,11 +751,7 @@ impl Sim {
             device_busy: if present > 0.0 { busy / present } else { 0.0 },
             steps: self.step,
             finished,
-            compute: match self.setup.compute {
-                Compute::Real => "real",
-                Compute::Modelled => "modelled",
-            }
-            .into(),
+            compute: self.setup.compute.name().into(),
             final_loss,
             loss_curve: self.loss_curve,
             tokens_curve: self.tokens_curve,
