@@ -245,7 +245,7 @@ pub fn stage_totals(placements: &[Placement], stages: u32) -> Vec<(f64, usize)> 
 /// least one (an idle pipeline); under load every device also queues the forward passes of new
 /// microbatches beside the backward passes of returning ones, and several drivers' microbatches
 /// meet at a stage's replicas, so the window is four times the product (in the simulator, on
-/// two stages across US regions: twice gave 74% device use, four times 83%, eight times 83%).
+/// two stages across US regions: twice gave 74% efficiency, four times 83%, eight times 83%).
 ///
 /// `rtt` is the least round trip of this driver's microbatches lately (infinite: none yet),
 /// `own` its throughput at the first stage (samples/s), `placements` every replica with its
