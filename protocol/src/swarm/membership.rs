@@ -566,15 +566,20 @@ mod tests {
             memory: vec![1000; 2],
             microbatch_memory: vec![100; 2],
         };
-        let unlimited = [
-            p(1, 0, 100.0, 0),
-            p(2, 0, 100.0, 0),
-            p(3, 1, 100.0, 0),
-            p(4, 1, 100.0, 0),
-        ];
+        // Two drivers at stage 0; stage 1's replicas with this throughput, the first with this
+        // much memory.
+        let swarm = |second: f64, memory: u64| {
+            [
+                p(1, 0, 100.0, 0),
+                p(2, 0, 100.0, 0),
+                p(3, 1, second, memory),
+                p(4, 1, second, 0),
+            ]
+        };
         let window = |placements: &[Placement], rtt: f64| {
             driver_window(placements, &costs, (4, 16), rtt, 100.0, 4)
         };
+        let unlimited = swarm(100.0, 0);
         // A driver's share is 100 samples/s: a 20 ms round trip needs half a microbatch in
         // flight (2 with the margin), a 100 ms one 2.5 (10), a second 25 (100).
         assert_eq!(window(&unlimited, 0.02), 4);
@@ -583,31 +588,14 @@ mod tests {
         // Nothing measured yet: the least window.
         assert_eq!(window(&unlimited, f64::INFINITY), 4);
         // A slow second stage takes less, so less is sent into the pipeline.
-        let slow = [
-            p(1, 0, 100.0, 0),
-            p(2, 0, 100.0, 0),
-            p(3, 1, 25.0, 0),
-            p(4, 1, 25.0, 0),
-        ];
+        let slow = swarm(25.0, 0);
         assert_eq!(window(&slow, 0.1), 4);
         assert_eq!(window(&slow, 0.3), 8);
         // A replica with room for 2 microbatches beyond the least window holds 6 in all; two
         // drivers over two replicas may keep 6 each in flight.
-        let small = [
-            p(1, 0, 100.0, 0),
-            p(2, 0, 100.0, 0),
-            p(3, 1, 100.0, 1200),
-            p(4, 1, 100.0, 0),
-        ];
-        assert_eq!(window(&small, 1.0), 6);
+        assert_eq!(window(&swarm(100.0, 1200), 1.0), 6);
         // Memory too small even for the least window does not stop the run.
-        let tiny = [
-            p(1, 0, 100.0, 0),
-            p(2, 0, 100.0, 0),
-            p(3, 1, 100.0, 500),
-            p(4, 1, 100.0, 0),
-        ];
-        assert_eq!(window(&tiny, 1.0), 4);
+        assert_eq!(window(&swarm(100.0, 500), 1.0), 4);
     }
 
     /// Applies planned moves until none is proposed: each move must raise the slowest stage
