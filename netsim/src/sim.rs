@@ -81,6 +81,16 @@ impl SimPeer {
     fn alive(&self) -> bool {
         self.gone_at.is_none()
     }
+
+    /// Seconds it was present in a simulation that ended at `end`.
+    fn present(&self, end: f64) -> f64 {
+        (self.left(end) - self.joined_at).max(0.0)
+    }
+
+    /// When it left a simulation that ended at `end` (crashed, left, or was there to the end).
+    fn left(&self, end: f64) -> f64 {
+        self.gone_at.unwrap_or(end).min(end)
+    }
 }
 
 #[derive(Debug)]
@@ -698,25 +708,15 @@ impl Sim {
         let token_seconds: f64 = self
             .peers
             .iter()
-            .map(|p| {
-                let left = p.gone_at.unwrap_or(end).min(end);
-                self.compute_only_tokens_per_s(&p.device) * (left - p.joined_at).max(0.0)
-            })
+            .map(|p| self.compute_only_tokens_per_s(&p.device) * p.present(end))
             .sum();
         let ideal = if end > 0.0 { token_seconds / end } else { 0.0 };
-        let present: f64 = self
-            .peers
-            .iter()
-            .map(|p| (p.gone_at.unwrap_or(end).min(end) - p.joined_at).max(0.0))
-            .sum();
+        let present: f64 = self.peers.iter().map(|p| p.present(end)).sum();
         // Work given past the end (or past a crash) did not happen.
         let busy: f64 = self
             .peers
             .iter()
-            .map(|p| {
-                let left = p.gone_at.unwrap_or(end).min(end);
-                (p.busy_total - (p.busy_until - left).max(0.0)).max(0.0)
-            })
+            .map(|p| (p.busy_total - (p.busy_until - p.left(end)).max(0.0)).max(0.0))
             .sum();
         let achieved = if end > 0.0 {
             self.tokens as f64 / end

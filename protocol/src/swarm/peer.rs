@@ -1534,6 +1534,7 @@ impl Peer {
                 (self.config.global_batch as f64 / replicas as f64).max(1.0)
             }
         };
+        let share = self.driver_share();
         let mut started = false;
         let laggards = self.config.sync == SyncMode::AllReduce
             && self.members.iter().any(|(_, m)| {
@@ -1567,7 +1568,7 @@ impl Peer {
                 // its share of the step's microbatches, unless the step has not advanced
                 // for a while (a driver is gone or slow) and the batch is still short.
                 let stalled = now.saturating_sub(self.last_advance) >= self.timing.join_window;
-                if claimed >= quota || (mine >= self.driver_share() && !stalled) {
+                if claimed >= quota || (mine >= share && !stalled) {
                     if !stalled {
                         self.stall_check = Some(self.last_advance + self.timing.join_window);
                     }
