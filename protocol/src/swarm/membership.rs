@@ -2,7 +2,6 @@
 //! made from it: where to send a microbatch, which stage a joiner takes, and whether some peer
 //! should move to another stage.
 
-use super::config::StageCosts;
 use super::message::{Announcement, MemberState};
 use super::{PeerKey, SeededRng};
 use std::collections::BTreeMap;
@@ -237,77 +236,6 @@ pub fn stage_totals(placements: &[Placement], stages: u32) -> Vec<(f64, usize)> 
         }
     }
     totals
-}
-
-/// Microbatches a driver keeps in flight: as many as the pipeline's round trip needs to keep
-/// the slowest stage busy, by Little's law (in flight = throughput x round trip), within
-/// `limits` (least, most) and what the replicas' memory holds. The round trip measured is the
-/// least one (an idle pipeline); under load every device also queues the forward passes of new
-/// microbatches beside the backward passes of returning ones, and several drivers' microbatches
-/// meet at a stage's replicas, so the window is four times the product (in the simulator, on
-/// two stages across US regions: twice gave 74% efficiency, four times 83%, eight times 83%).
-///
-/// `rtt` is the least round trip of this driver's microbatches lately (infinite: none yet),
-/// `own` its throughput at the first stage (samples/s), `placements` every replica with its
-/// throughput. Over links whose latency is small next to a microbatch's compute the least
-/// window suffices; across regions it takes several times more.
-pub fn driver_window(
-    placements: &[Placement],
-    costs: &StageCosts,
-    limits: (usize, usize),
-    rtt: f64,
-    own: f64,
-    microbatch: u32,
-) -> usize {
-    let (floor, ceiling) = limits;
-    let stages = costs.memory.len() as u32;
-    let totals = stage_totals(placements, stages);
-    let slowest = totals.iter().map(|t| t.0).fold(f64::INFINITY, f64::min);
-    let drivers = totals.first().map_or(0.0, |t| t.0);
-    if !(rtt.is_finite() && own > 0.0 && slowest.is_finite() && slowest > 0.0 && drivers > 0.0) {
-        return floor;
-    }
-    // This driver's part of what the slowest stage can take, in samples per second.
-    let share = slowest * own / drivers;
-    let target = (4.0 * share * rtt / f64::from(microbatch.max(1))).ceil();
-    let target = if target.is_finite() {
-        target as usize
-    } else {
-        floor
-    };
-    let memory = memory_window(placements, costs, floor).max(floor);
-    target.clamp(floor, ceiling.min(memory).max(floor))
-}
-
-/// The largest window whose microbatches every stage's replicas can hold beside their state,
-/// if the drivers' windows spread evenly over a stage's replicas. A stage's `costs.memory`
-/// already holds `floor` microbatches.
-fn memory_window(placements: &[Placement], costs: &StageCosts, floor: usize) -> usize {
-    let drivers = placements.iter().filter(|p| p.stage == 0).count().max(1) as u64;
-    let mut window = u64::MAX;
-    for (stage, (&need, &per)) in costs
-        .memory
-        .iter()
-        .zip(&costs.microbatch_memory)
-        .enumerate()
-    {
-        let replicas: Vec<u64> = placements
-            .iter()
-            .filter(|p| p.stage as usize == stage)
-            .map(|p| p.memory)
-            .collect();
-        // Memory 0: not limited.
-        let Some(least) = replicas.iter().copied().filter(|m| *m > 0).min() else {
-            continue;
-        };
-        if per == 0 {
-            continue;
-        }
-        // Microbatches one replica can hold, then the window that puts that many on each.
-        let held = floor as u64 + least.saturating_sub(need) / per;
-        window = window.min(held * replicas.len() as u64 / drivers);
-    }
-    usize::try_from(window).unwrap_or(usize::MAX)
 }
 
 /// The stage a joiner with `memory` bytes takes, among those it can hold (`need`: bytes per
@@ -548,54 +476,6 @@ mod tests {
         assert_eq!((m.peer, m.to), (PeerKey(1), 1));
         let small = [p(1, 0, 10.0, 5), p(2, 0, 10.0, 5), p(3, 1, 1.0, 0)];
         assert_eq!(plan_move(&small, &flops, &[4, 8], 0.1), None);
-    }
-
-    #[test]
-    fn a_driver_keeps_the_round_trip_in_flight_within_memory() {
-        let p = |peer, stage, throughput, memory| Placement {
-            peer: PeerKey(peer),
-            stage,
-            throughput,
-            memory,
-        };
-        // Two stages of two replicas, each replica 100 samples/s; microbatches of 4 samples.
-        let costs = StageCosts {
-            flops_per_sample: vec![1.0; 2],
-            params: vec![10; 2],
-            activation_values: 1,
-            memory: vec![1000; 2],
-            microbatch_memory: vec![100; 2],
-        };
-        // Two drivers at stage 0; stage 1's replicas with this throughput, the first with this
-        // much memory.
-        let swarm = |second: f64, memory: u64| {
-            [
-                p(1, 0, 100.0, 0),
-                p(2, 0, 100.0, 0),
-                p(3, 1, second, memory),
-                p(4, 1, second, 0),
-            ]
-        };
-        let window = |placements: &[Placement], rtt: f64| {
-            driver_window(placements, &costs, (4, 16), rtt, 100.0, 4)
-        };
-        let unlimited = swarm(100.0, 0);
-        // A driver's share is 100 samples/s: a 20 ms round trip needs half a microbatch in
-        // flight (2 with the margin), a 100 ms one 2.5 (10), a second 25 (100).
-        assert_eq!(window(&unlimited, 0.02), 4);
-        assert_eq!(window(&unlimited, 0.1), 10);
-        assert_eq!(window(&unlimited, 1.0), 16);
-        // Nothing measured yet: the least window.
-        assert_eq!(window(&unlimited, f64::INFINITY), 4);
-        // A slow second stage takes less, so less is sent into the pipeline.
-        let slow = swarm(25.0, 0);
-        assert_eq!(window(&slow, 0.1), 4);
-        assert_eq!(window(&slow, 0.3), 8);
-        // A replica with room for 2 microbatches beyond the least window holds 6 in all; two
-        // drivers over two replicas may keep 6 each in flight.
-        assert_eq!(window(&swarm(100.0, 1200), 1.0), 6);
-        // Memory too small even for the least window does not stop the run.
-        assert_eq!(window(&swarm(100.0, 500), 1.0), 4);
     }
 
     /// Applies planned moves until none is proposed: each move must raise the slowest stage

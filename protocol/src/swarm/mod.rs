@@ -7,8 +7,9 @@
 //! announce this. The machine never blocks, reads no clock and draws randomness only from the
 //! seed it was given, so the same inputs always give the same decisions.
 //!
-//! The parts, each testable on its own:
+//! The shared pieces, each testable on its own:
 //! * [`config`]: the run's configuration, chosen by its creator; its hash is the run id.
+//! * [`message`]: what peers say to each other.
 //! * [`membership`]: who serves which stage how fast, learned from gossip; routing weights,
 //!   the stage a joiner takes, and rebalancing moves.
 //! * [`ledger`]: the data driver's record of every microbatch in flight: deadlines, retries,
@@ -16,14 +17,41 @@
 //! * [`averaging`]: one fault-tolerant, compressed reduce-scatter/all-gather round among the
 //!   replicas of a stage.
 //! * [`transfer`]: a stage's state sent to a joiner in hash-checked chunks.
-//! * [`peer`]: the composition, driven by the owner.
+//!
+//! The [`peer`] is a thin composition of five parts, each a small state machine that owns its
+//! state and deadlines and has unit tests of its own rules (the whole-swarm tests in `tests.rs`
+//! drive them together):
+//! * `role.rs` (`Role`): choosing a stage, syncing its state, serving it, moving to another
+//!   stage (rebalancing);
+//! * `driver.rs` (`Driver`): a first-stage replica starting microbatches: the window in
+//!   flight, its share of each step, when to hold back and when holding back has stalled;
+//! * `server.rs` (`StageServer`): the microbatch work done for the run's drivers: checks,
+//!   forward and backward passes, commits, and forwards of later steps held back;
+//! * `coordinator.rs` (`StepCoordinator`): when the stage steps (the batch is complete, or
+//!   it is starving), averaging rounds (`rounds.rs`), DiLoCo, checkpoints; with
+//!   `agreement.rs` for catch-ups and the parameter-hash vote;
+//! * `scheduler.rs` (`Scheduler`): the device's job queue by priority, and the throughput
+//!   measured from it.
+//!
+//! Parts do not call each other: what one needs of another passes through the peer as plain
+//! values, and what they ask of the world goes into one `Outbox` (messages, events, compute
+//! jobs), in order. The compute interface with the owner is in `interface.rs`.
 
+mod agreement;
 pub mod averaging;
 pub mod config;
+mod coordinator;
+mod driver;
+mod interface;
 pub mod ledger;
 pub mod membership;
 pub mod message;
+mod outbox;
 pub mod peer;
+mod role;
+mod rounds;
+mod scheduler;
+mod server;
 pub mod transfer;
 
 #[cfg(test)]

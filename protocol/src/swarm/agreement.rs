@@ -1,0 +1,330 @@
+//! How a replica gets back to the parameters its stage's other replicas hold.
+//!
+//! A replica a round behind replays the round it missed from another replica's record of it
+//! (a catch-up: cheap, and it lands on bit-identical parameters); if the record is gone, or
+//! no answer comes, it downloads the stage's state instead. Replicas at the same round whose
+//! parameters differ settle it by a vote over the hashes they announce: the side fewer
+//! replicas hold downloads the other's state.
+
+use super::PeerKey;
+use super::interface::Event;
+use super::membership::Membership;
+use super::message::{MemberState, Message};
+use super::outbox::Outbox;
+use super::server::decode;
+use crate::{Codec, Encoder};
+use std::collections::VecDeque;
+use std::time::Duration;
+
+/// Bytes of round results kept for replicas that fall behind (at least the last round is
+/// kept whatever its size).
+const HISTORY_BYTES: usize = 64 << 20;
+
+/// This replica should download its stage's state again, from `from`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Resync {
+    /// The replica to download from.
+    pub from: PeerKey,
+    /// Why.
+    pub reason: &'static str,
+}
+
+/// The results of recent rounds, to replay for a replica that missed them.
+#[derive(Debug, Default)]
+struct RoundHistory {
+    rounds: VecDeque<(u64, Vec<f32>, f64)>,
+}
+
+impl RoundHistory {
+    /// Keeps the result of `round`, forgetting the oldest beyond [`HISTORY_BYTES`].
+    fn remember(&mut self, round: u64, values: &[f32], samples: f64) {
+        self.rounds.push_back((round, values.to_vec(), samples));
+        let mut bytes: usize = self.rounds.iter().map(|h| h.1.len() * 4).sum();
+        while self.rounds.len() > 1 && bytes > HISTORY_BYTES {
+            if let Some(old) = self.rounds.pop_front() {
+                bytes -= old.1.len() * 4;
+            }
+        }
+    }
+
+    /// The averaged vector of `round` and the samples behind it.
+    fn get(&self, round: u64) -> Option<(&[f32], f64)> {
+        self.rounds
+            .iter()
+            .find(|h| h.0 == round)
+            .map(|h| (h.1.as_slice(), h.2))
+    }
+}
+
+/// A catch-up request on its way.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Asked {
+    from: PeerKey,
+    round: u64,
+    deadline: Duration,
+}
+
+/// Catch-ups: asking for missed rounds, and answering others' requests from the record.
+#[derive(Debug, Default)]
+pub(super) struct CatchUp {
+    history: RoundHistory,
+    asked: Option<Asked>,
+    encoder: Encoder,
+}
+
+impl CatchUp {
+    /// Records the averaged vector applied in `round`, for replicas that miss it.
+    pub fn remember(&mut self, round: u64, values: &[f32], samples: f64) {
+        self.history.remember(round, values, samples);
+    }
+
+    /// Whether a request is on its way.
+    pub fn asking(&self) -> bool {
+        self.asked.is_some()
+    }
+
+    /// When an unanswered request is given up.
+    pub fn deadline(&self) -> Option<Duration> {
+        self.asked.map(|a| a.deadline)
+    }
+
+    /// Asks `from` for the result of `round` of `stage`, to come by `deadline`.
+    pub fn ask(
+        &mut self,
+        out: &mut Outbox,
+        from: PeerKey,
+        stage: u32,
+        round: u64,
+        deadline: Duration,
+    ) {
+        self.asked = Some(Asked {
+            from,
+            round,
+            deadline,
+        });
+        out.send(from, Message::CatchUpRequest { stage, round });
+    }
+
+    /// Another replica asks for the result of `round`: the averaged vector as applied (fp32,
+    /// so the replica that applies it lands on bit-identical parameters), or nothing if it
+    /// is no longer kept.
+    pub fn answer(&mut self, out: &mut Outbox, to: PeerKey, stage: u32, round: u64) {
+        let (samples, data) = match self.history.get(round) {
+            Some((values, samples)) => {
+                let mut data = Vec::new();
+                if let Err(e) = self
+                    .encoder
+                    .encode(Codec::Fp32, values, &[values.len()], &mut data)
+                {
+                    out.event(Event::Warning(format!("encoding failed: {e}")));
+                }
+                (samples, data)
+            }
+            None => (0.0, Vec::new()),
+        };
+        out.send(
+            to,
+            Message::CatchUp {
+                stage,
+                round,
+                samples,
+                data,
+            },
+        );
+    }
+
+    /// An answer from `from` about `round`, carrying `len` values behind `samples`. None if
+    /// it was not asked for (it is ignored); otherwise the values to apply, or, for an empty
+    /// or malformed answer, a download from that replica.
+    pub fn on_answer(
+        &mut self,
+        from: PeerKey,
+        round: u64,
+        samples: f64,
+        data: &[u8],
+        len: usize,
+    ) -> Option<Result<Vec<f32>, Resync>> {
+        if self.asked.map(|a| (a.from, a.round)) != Some((from, round)) {
+            return None;
+        }
+        self.asked = None;
+        let values =
+            decode(data, len).filter(|v| !data.is_empty() && v.len() == len && samples.is_finite());
+        Some(values.ok_or(Resync {
+            from,
+            reason: "a replica of this stage is ahead",
+        }))
+    }
+
+    /// A request that got no answer by its deadline: download the state instead.
+    pub fn expire(&mut self, now: Duration) -> Option<Resync> {
+        let a = self.asked.filter(|a| now >= a.deadline)?;
+        self.asked = None;
+        Some(Resync {
+            from: a.from,
+            reason: "no answer to a catch-up request",
+        })
+    }
+
+    /// Forgets the record and any request: they were about a stage no longer served.
+    pub fn abandon(&mut self) {
+        self.asked = None;
+        self.history.rounds.clear();
+    }
+}
+
+/// The hash vote, seen from a replica at `round` of `stage` whose parameters hash to `mine`
+/// when `from` announces `theirs` for the same round: this replica loses if fewer serving
+/// replicas at this round hold its hash than the other (itself counted), or as many and the
+/// other side has the smaller key. The loser downloads the winner's state.
+pub(super) fn outvoted(
+    members: &Membership,
+    me: PeerKey,
+    stage: u32,
+    round: u64,
+    from: PeerKey,
+    theirs: u64,
+    mine: u64,
+) -> bool {
+    let (mut for_theirs, mut for_mine) = (0, 1);
+    for (_, m) in members.iter() {
+        let a = &m.announcement;
+        if a.state == MemberState::Serving && a.stage == Some(stage) && a.round == round {
+            if a.params_hash == Some(theirs) {
+                for_theirs += 1;
+            } else if a.params_hash == Some(mine) {
+                for_mine += 1;
+            }
+        }
+    }
+    for_theirs > for_mine || (for_theirs == for_mine && from < me)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::swarm::interface::Action;
+    use crate::swarm::message::Announcement;
+
+    const MS: Duration = Duration::from_millis(1);
+    const ME: PeerKey = PeerKey(5);
+
+    fn members(list: &[(u64, u32, u64, u64)]) -> Membership {
+        let mut m = Membership::default();
+        for &(key, stage, round, hash) in list {
+            let a = Announcement {
+                stage: Some(stage),
+                state: MemberState::Serving,
+                throughput: 1.0,
+                queue: 0,
+                step: round,
+                round,
+                params_hash: Some(hash),
+                finished: false,
+                loss: None,
+                memory: 0,
+                incarnation: 1,
+                seq: 1,
+            };
+            m.update(PeerKey(key), a, Duration::ZERO);
+        }
+        m
+    }
+
+    #[test]
+    fn a_missed_round_is_replayed_from_the_record_of_the_replica_asked() {
+        let mut mine = CatchUp::default();
+        let mut out = Outbox::new(ME);
+        mine.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
+        assert!(mine.asking());
+        assert_eq!(
+            out.drain(),
+            [Action::Send {
+                to: PeerKey(9),
+                msg: Message::CatchUpRequest { stage: 1, round: 4 }
+            }]
+        );
+        let mut theirs = CatchUp::default();
+        theirs.remember(4, &[0.25; 3], 8.0);
+        let mut their_out = Outbox::new(PeerKey(9));
+        theirs.answer(&mut their_out, ME, 1, 4);
+        let Some(Action::Send {
+            msg: Message::CatchUp { samples, data, .. },
+            ..
+        }) = their_out.pop()
+        else {
+            panic!("an answer");
+        };
+        // Not from the replica asked, or about another round: ignored.
+        assert_eq!(mine.on_answer(PeerKey(8), 4, samples, &data, 3), None);
+        assert_eq!(mine.on_answer(PeerKey(9), 3, samples, &data, 3), None);
+        assert_eq!(
+            mine.on_answer(PeerKey(9), 4, samples, &data, 3),
+            Some(Ok(vec![0.25; 3]))
+        );
+        assert!(!mine.asking());
+        assert_eq!(
+            mine.on_answer(PeerKey(9), 4, samples, &data, 3),
+            None,
+            "once"
+        );
+    }
+
+    #[test]
+    fn a_catch_up_that_cannot_work_ends_in_a_download() {
+        let mut c = CatchUp::default();
+        let mut out = Outbox::new(ME);
+        // The record is gone: the answer is empty.
+        c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
+        let empty = c.on_answer(PeerKey(9), 4, 0.0, &[], 3);
+        assert_eq!(empty.map(|r| r.map_err(|e| e.from)), Some(Err(PeerKey(9))));
+        // The wrong size.
+        c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
+        let two = crate::codec::encode_to_vec(Codec::Fp32, &[1.0; 2], &[2]).unwrap();
+        assert!(matches!(
+            c.on_answer(PeerKey(9), 4, 1.0, &two, 3),
+            Some(Err(_))
+        ));
+        // No answer by the deadline.
+        c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
+        assert_eq!(c.deadline(), Some(300 * MS));
+        assert_eq!(c.expire(299 * MS), None);
+        assert_eq!(c.expire(300 * MS).map(|r| r.from), Some(PeerKey(9)));
+        assert!(!c.asking());
+    }
+
+    #[test]
+    fn the_record_keeps_the_latest_rounds_within_its_budget() {
+        let mut h = RoundHistory::default();
+        let big = vec![0.0; HISTORY_BYTES / 4 / 2 + 1];
+        h.remember(0, &big, 1.0);
+        h.remember(1, &big, 1.0);
+        assert!(h.get(0).is_none());
+        assert!(h.get(1).is_some());
+        let huge = vec![0.0; HISTORY_BYTES / 4 + 1];
+        h.remember(2, &huge, 1.0);
+        assert!(
+            h.get(2).is_some(),
+            "the last round is kept whatever its size"
+        );
+    }
+
+    /// The hash vote: the side with fewer replicas at the round downloads the other's state;
+    /// a tie goes to the smaller key; replicas of other stages or rounds do not vote.
+    #[test]
+    fn the_side_fewer_replicas_hold_downloads_the_state() {
+        let vote = |m: &Membership, from: u64| outvoted(m, ME, 1, 0, PeerKey(from), 3, 7);
+        assert!(vote(&members(&[(3, 1, 0, 3)]), 3), "tie, smaller key");
+        assert!(!vote(&members(&[(9, 1, 0, 3)]), 9), "tie, larger key");
+        assert!(
+            vote(&members(&[(9, 1, 0, 3), (8, 1, 0, 3)]), 9),
+            "two to one"
+        );
+        let majority = members(&[(9, 1, 0, 3), (8, 1, 0, 7), (6, 1, 0, 7)]);
+        assert!(!vote(&majority, 9), "one to three");
+        let elsewhere = members(&[(9, 1, 0, 3), (8, 1, 0, 3), (6, 2, 0, 3), (4, 1, 1, 3)]);
+        assert!(vote(&elsewhere, 9));
+        let only_others = members(&[(9, 1, 0, 3), (6, 2, 0, 3), (4, 1, 1, 3)]);
+        assert!(!vote(&only_others, 9));
+    }
+}

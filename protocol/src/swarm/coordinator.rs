@@ -1,0 +1,794 @@
+//! The step coordinator: when a replica's stage takes its next step, and keeping its replicas
+//! on the same parameters.
+//!
+//! It counts the samples committed toward the step being collected (here and, from their
+//! progress reports, at the stage's other replicas), starts an averaging round when the
+//! global batch is complete (allreduce) or after H local steps (DiLoCo), applies the round's
+//! result, and schedules checkpoints. A replica that falls behind replays the rounds it missed
+//! from another replica's record (a catch-up); one whose parameters are outvoted by the
+//! stage's other replicas is told to download the state again.
+//!
+//! Its rules for the stage's liveness, each with a test below:
+//! * settle: a replica that just started serving waits one announcement period before
+//!   starting a round, so that replicas starting together have heard of each other;
+//! * starving: a stage that lost samples of a step closes its round with what it has once
+//!   the next step's microbatches wait at it and nothing arrived for the join window;
+//! * laggards: a stage more than a round ahead of another starts no new work (see
+//!   [`Demand::ahead`]);
+//! * catch-up and the hash vote (see [`agreement`](super::agreement)).
+
+use super::PeerKey;
+use super::agreement::{CatchUp, Resync, outvoted};
+use super::averaging::RoundOut;
+use super::config::{RunConfig, SyncMode, Timing};
+use super::driver::Demand;
+use super::interface::{Event, Job};
+use super::membership::Membership;
+use super::message::{Announcement, MemberState, Message, RoundKey, RoundMsg};
+use super::outbox::Outbox;
+use super::rounds::Rounds;
+use crate::Codec;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// State requests deferred while a round runs, at most.
+const MAX_DEFERRED_EXPORTS: usize = 64;
+
+/// What a replica reported of its progress toward a round.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Progress {
+    round: u64,
+    samples: f64,
+    in_flight: f64,
+}
+
+/// The run's settings the coordinator decides with.
+#[derive(Clone, Debug)]
+pub(super) struct Settings {
+    /// This peer.
+    pub me: PeerKey,
+    /// How replicas keep together.
+    pub sync: SyncMode,
+    /// Samples per step over all replicas.
+    pub global_batch: u32,
+    /// Steps of the run.
+    pub max_steps: u64,
+    /// Parameters of each stage.
+    pub params: Vec<usize>,
+    /// The protocol's clocks.
+    pub timing: Timing,
+}
+
+impl Settings {
+    /// The settings of `config`.
+    pub fn of(me: PeerKey, config: &RunConfig, params: Vec<usize>, timing: Timing) -> Self {
+        Settings {
+            me,
+            sync: config.sync,
+            global_batch: config.global_batch,
+            max_steps: config.max_steps,
+            params,
+            timing,
+        }
+    }
+
+    fn allreduce(&self) -> bool {
+        self.sync == SyncMode::AllReduce
+    }
+}
+
+/// Counters for reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct StepStats {
+    /// Microbatches committed.
+    pub microbatches: u64,
+    /// Rounds completed.
+    pub rounds: u64,
+    /// Rounds that lost a member's share or a part.
+    pub rounds_degraded: u64,
+}
+
+/// One replica's steps and rounds.
+#[derive(Debug)]
+pub(super) struct StepCoordinator {
+    settings: Settings,
+    checkpoint_every: Option<u64>,
+    step: u64,
+    round: u64,
+    params_hash: Option<u64>,
+    /// This stage took the run's last step.
+    finished: bool,
+    /// Samples committed toward the step being collected.
+    accumulated: f64,
+    /// Loss times samples, and samples, of the microbatches behind `accumulated` (last stage).
+    losses: (f64, f64),
+    last_loss: Option<f32>,
+    /// When a sample was last committed here (or the last contribution was taken).
+    last_collected: Duration,
+    /// The other replicas' latest progress reports.
+    progress: BTreeMap<PeerKey, Progress>,
+    /// A DiLoCo local step is queued.
+    local_step_queued: bool,
+    /// A round's result (or a catch-up) is being applied.
+    applying_round: bool,
+    inner_steps: u32,
+    samples_since_outer: f64,
+    last_local_samples: f64,
+    /// Members, samples and loss of the round being applied.
+    round_group: usize,
+    round_samples: f64,
+    round_loss: Option<f64>,
+    catch_up: CatchUp,
+    /// When to look again at a stage that may be starving.
+    starve_check: Option<Duration>,
+    /// No round starts before this (see the module docs).
+    settle_until: Option<Duration>,
+    rounds: Rounds,
+    /// State requests answered once the current round is applied.
+    deferred_exports: Vec<PeerKey>,
+    stats: StepStats,
+}
+
+impl StepCoordinator {
+    /// A replica with no stage yet; rounds encode with `codec`.
+    pub fn new(settings: Settings, codec: Codec, now: Duration) -> Self {
+        StepCoordinator {
+            rounds: Rounds::new(settings.me, codec, settings.timing),
+            settings,
+            checkpoint_every: None,
+            step: 0,
+            round: 0,
+            params_hash: None,
+            finished: false,
+            accumulated: 0.0,
+            losses: (0.0, 0.0),
+            last_loss: None,
+            last_collected: now,
+            progress: BTreeMap::new(),
+            local_step_queued: false,
+            applying_round: false,
+            inner_steps: 0,
+            samples_since_outer: 0.0,
+            last_local_samples: 0.0,
+            round_group: 1,
+            round_samples: 0.0,
+            round_loss: None,
+            catch_up: CatchUp::default(),
+            starve_check: None,
+            settle_until: None,
+            deferred_exports: Vec::new(),
+            stats: StepStats::default(),
+        }
+    }
+
+    /// Writes a checkpoint every `steps` steps.
+    pub fn set_checkpoint_every(&mut self, steps: Option<u64>) {
+        self.checkpoint_every = steps.filter(|s| *s > 0);
+    }
+
+    /// Steps taken.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// Rounds completed.
+    pub fn round(&self) -> u64 {
+        self.round
+    }
+
+    /// Parameter hash right after the last round.
+    pub fn params_hash(&self) -> Option<u64> {
+        self.params_hash
+    }
+
+    /// Whether this stage took the run's last step.
+    pub fn finished(&self) -> bool {
+        self.finished
+    }
+
+    /// Mean loss of the last step (last stage).
+    pub fn last_loss(&self) -> Option<f32> {
+        self.last_loss
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> StepStats {
+        self.stats
+    }
+
+    /// Whether an averaging round is under way or being applied.
+    pub fn in_round(&self) -> bool {
+        self.rounds.active()
+    }
+
+    /// The earliest of the coordinator's deadlines.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        [
+            self.rounds.deadline(),
+            self.catch_up.deadline(),
+            self.starve_check,
+            self.settle_until,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// The stage state to serve: `step` and `round` from a transfer or a checkpoint.
+    pub fn set_position(&mut self, step: u64, round: u64) {
+        self.step = step;
+        self.round = round;
+    }
+
+    /// The replica starts serving with parameters hashing to `hash` (None: not comparable,
+    /// e.g. DiLoCo parameters in the middle of a round). It waits to settle until `settle`.
+    pub fn start_serving(&mut self, hash: Option<u64>, settle: Duration) {
+        self.settle_until = Some(settle);
+        self.params_hash = hash;
+        self.inner_steps = 0;
+        self.samples_since_outer = 0.0;
+        self.finished = self.stage_finished();
+    }
+
+    /// Whether this replica's stage took the run's last step. In DiLoCo that is the last
+    /// outer round (replicas count their inner steps independently; rounds they share).
+    fn stage_finished(&self) -> bool {
+        match self.settings.sync {
+            SyncMode::AllReduce => self.round >= self.settings.max_steps,
+            SyncMode::DiLoCo { h, .. } => {
+                self.round >= self.settings.max_steps.div_ceil(u64::from(h))
+            }
+        }
+    }
+
+    /// The round new commits count toward: the next one once this replica's contribution to
+    /// the current round is taken (allreduce); the local step in DiLoCo.
+    pub fn collecting_round(&self) -> u64 {
+        match self.settings.sync {
+            SyncMode::AllReduce if self.rounds.contributed() => self.round + 1,
+            SyncMode::AllReduce => self.round,
+            SyncMode::DiLoCo { .. } => self.step,
+        }
+    }
+
+    /// The fewest rounds any serving peer (this one included) has completed.
+    fn slowest_round(&self, members: &Membership) -> u64 {
+        members
+            .iter()
+            .filter(|(_, m)| m.announcement.state == MemberState::Serving)
+            .map(|(_, m)| m.announcement.round)
+            .fold(self.round, u64::min)
+    }
+
+    /// A replica of `stage` that completed more rounds than this one.
+    fn replica_ahead(&self, stage: u32, members: &Membership) -> Option<PeerKey> {
+        if self.finished {
+            return None;
+        }
+        members
+            .iter()
+            .filter(|(_, m)| m.serves(stage) && m.announcement.round > self.round)
+            .max_by_key(|(_, m)| m.announcement.round)
+            .map(|(k, _)| *k)
+    }
+
+    /// What the step being collected needs from this replica as a data driver of stage 0,
+    /// whose part of the step is `share` samples and which has `commits_queued` samples in
+    /// queued commit jobs.
+    pub fn demand(&self, members: &Membership, share: f64, commits_queued: f64) -> Demand {
+        let allreduce = self.settings.allreduce();
+        let round = self.collecting_round();
+        let batch = f64::from(self.settings.global_batch);
+        // Laggards: in synchronous training a stage more than a round behind holds the
+        // others; starting more work only queues it there.
+        let laggards = allreduce
+            && members.iter().any(|(_, m)| {
+                m.announcement.state == MemberState::Serving
+                    && m.announcement.round + 1 < self.round
+            });
+        let drivers = members.replicas(0);
+        let (quota, others) = if allreduce {
+            let others = drivers
+                .iter()
+                .filter_map(|k| self.progress.get(k))
+                .filter(|p| p.round == round)
+                .map(|p| p.samples + p.in_flight)
+                .sum();
+            (batch, Some(others))
+        } else {
+            ((batch / (drivers.len() + 1) as f64).max(1.0), None)
+        };
+        Demand {
+            round,
+            quota,
+            share,
+            committed: self.accumulated + commits_queued,
+            others,
+            blocked: self.local_step_queued
+                || (allreduce && (self.rounds.contributed() || self.applying_round)),
+            ahead: (self.finished || laggards).then(|| self.slowest_round(members)),
+        }
+    }
+
+    /// Tells the stage's other replicas how far this one is toward the next round
+    /// (`in_flight`: samples this driver has started and not yet committed).
+    pub fn send_progress(
+        &self,
+        out: &mut Outbox,
+        stage: u32,
+        members: &Membership,
+        in_flight: f64,
+    ) {
+        let msg = Message::Progress {
+            stage,
+            round: self.collecting_round(),
+            samples: self.accumulated,
+            in_flight,
+        };
+        for k in members.replicas(stage) {
+            out.send(k, msg.clone());
+        }
+    }
+
+    /// A progress report of `from` about a round of its stage. Within a round a replica's
+    /// count only grows, and rounds only advance: a report that arrives after a newer one
+    /// (each message has its own stream) is stale. Returns whether it was taken.
+    pub fn on_progress(&mut self, from: PeerKey, round: u64, samples: f64, in_flight: f64) -> bool {
+        let valid = |x: f64| x.is_finite() && x >= 0.0;
+        let newer = self
+            .progress
+            .get(&from)
+            .is_none_or(|p| round > p.round || (round == p.round && samples >= p.samples));
+        if !(valid(samples) && valid(in_flight) && newer) {
+            return false;
+        }
+        self.progress.insert(
+            from,
+            Progress {
+                round,
+                samples,
+                in_flight,
+            },
+        );
+        true
+    }
+
+    /// A replica is gone: its progress no longer counts.
+    pub fn forget(&mut self, peer: PeerKey) {
+        self.progress.remove(&peer);
+    }
+
+    /// A microbatch of `rows` samples (with its loss, last stage) was committed here.
+    pub fn on_committed(&mut self, rows: u32, loss: Option<f32>, now: Duration) {
+        self.stats.microbatches += 1;
+        self.accumulated += f64::from(rows);
+        self.last_collected = now;
+        if let Some(l) = loss {
+            self.losses.0 += f64::from(l) * f64::from(rows);
+            self.losses.1 += f64::from(rows);
+        }
+    }
+
+    /// Starts the next round if the step is complete, or the next local step (DiLoCo).
+    /// `stage` is the stage served (None: not serving); `next_waiting` is when the first
+    /// microbatch of a later step came to wait at this replica, if one waits.
+    pub fn maybe_begin_round(
+        &mut self,
+        out: &mut Outbox,
+        stage: Option<u32>,
+        members: &Membership,
+        next_waiting: Option<Duration>,
+        now: Duration,
+    ) {
+        let Some(stage) = stage else { return };
+        if self.rounds.active() || self.finished {
+            return;
+        }
+        match self.settle_until {
+            Some(t) if now < t => return,
+            Some(_) => self.settle_until = None,
+            None => {}
+        }
+        // Behind a replica of this stage: its round is over, so catch up instead of starting
+        // a round nobody else will join.
+        if let Some(ahead) = self.replica_ahead(stage, members) {
+            self.catch_up(out, stage, ahead, now);
+            return;
+        }
+        let key = RoundKey {
+            stage,
+            index: self.round,
+        };
+        let len = self.params(stage);
+        if self.rounds.follow_early_invitation(key, len, now) {
+            return;
+        }
+        let replicas = members.replicas(stage);
+        match self.settings.sync {
+            SyncMode::AllReduce => {
+                let others: f64 = replicas
+                    .iter()
+                    .filter_map(|k| self.progress.get(k))
+                    .filter(|p| p.round == self.round)
+                    .map(|p| p.samples)
+                    .sum();
+                let total = self.accumulated + others;
+                // A stage that lost samples (a replica died with what it had collected, or
+                // re-synced) would wait forever for them: the drivers have moved on, and
+                // every sample they send counts at every stage alike. The evidence is a
+                // microbatch of the next step waiting here, or another stage two rounds
+                // ahead; once no sample has come for a while, the stage closes its round
+                // with what it has and goes on with the microbatches it holds.
+                let behind = members.iter().any(|(_, m)| {
+                    m.announcement.state == MemberState::Serving
+                        && m.announcement.stage != Some(stage)
+                        && m.announcement.round > self.round + 1
+                });
+                let evidence = next_waiting.is_some() || (behind && total > 0.0);
+                let since =
+                    next_waiting.map_or(self.last_collected, |t| t.max(self.last_collected));
+                let join_window = self.settings.timing.join_window;
+                let starving = evidence && now.saturating_sub(since) >= join_window;
+                if total >= f64::from(self.settings.global_batch) || starving {
+                    self.starve_check = None;
+                    self.rounds.begin(key, &replicas, len, now);
+                } else if evidence {
+                    self.starve_check = Some(since + join_window);
+                }
+            }
+            SyncMode::DiLoCo { h, .. } => {
+                let local_batch =
+                    f64::from(self.settings.global_batch) / (replicas.len() + 1) as f64;
+                if !self.local_step_queued && self.accumulated >= local_batch.max(1.0) {
+                    self.local_step_queued = true;
+                    self.last_local_samples = self.accumulated;
+                    self.samples_since_outer += self.accumulated;
+                    self.accumulated = 0.0;
+                    out.compute(Job::LocalStep);
+                }
+                if self.inner_steps >= h {
+                    self.rounds.begin(key, &replicas, len, now);
+                }
+            }
+        }
+    }
+
+    fn params(&self, stage: u32) -> usize {
+        self.settings
+            .params
+            .get(stage as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Time passed: the round's deadlines, the starving and settling checks, and an
+    /// unanswered catch-up (the replica then downloads the state instead).
+    pub fn handle_timeout(
+        &mut self,
+        out: &mut Outbox,
+        stage: Option<u32>,
+        members: &Membership,
+        next_waiting: Option<Duration>,
+        now: Duration,
+    ) -> Option<Resync> {
+        self.rounds.handle_timeout(now);
+        if self.starve_check.is_some_and(|t| now >= t) {
+            self.starve_check = None;
+            self.maybe_begin_round(out, stage, members, next_waiting, now);
+        }
+        if self.settle_until.is_some_and(|t| now >= t) {
+            self.maybe_begin_round(out, stage, members, next_waiting, now);
+            self.settle_until = None;
+        }
+        self.catch_up.expire(now)
+    }
+
+    /// A replica of this replica's stage announced itself (serving, no round under way
+    /// here). One a round ahead is caught up with; one at the same round with other
+    /// parameters calls the hash vote (see [`outvoted`]).
+    pub fn on_replica_announced(
+        &mut self,
+        out: &mut Outbox,
+        stage: u32,
+        members: &Membership,
+        from: PeerKey,
+        a: &Announcement,
+        now: Duration,
+    ) -> Option<Resync> {
+        if self.rounds.active() {
+            return None;
+        }
+        if a.round > self.round && !self.finished {
+            self.catch_up(out, stage, from, now);
+            return None;
+        }
+        let (theirs, mine) = (a.params_hash?, self.params_hash?);
+        if a.round != self.round || theirs == mine {
+            return None;
+        }
+        let me = self.settings.me;
+        outvoted(members, me, stage, self.round, from, theirs, mine).then_some(Resync {
+            from,
+            reason: "parameters differ from the stage's other replicas",
+        })
+    }
+
+    /// Behind a replica of this stage: replay the round it missed from that replica's
+    /// record (cheap, and lands on the same parameters); a full state transfer if the
+    /// replica no longer has it.
+    fn catch_up(&mut self, out: &mut Outbox, stage: u32, from: PeerKey, now: Duration) {
+        if self.catch_up.asking() || self.rounds.active() || self.applying_round {
+            return;
+        }
+        let deadline = now + self.settings.timing.round_timeout;
+        self.catch_up.ask(out, from, stage, self.round, deadline);
+    }
+
+    /// Another replica asks for the result of `round` (see [`CatchUp::answer`]).
+    pub fn answer_catch_up(&mut self, out: &mut Outbox, to: PeerKey, stage: u32, round: u64) {
+        self.catch_up.answer(out, to, stage, round);
+    }
+
+    /// The answer to this replica's catch-up request: apply it as the round's result. An
+    /// answer that was not asked for is ignored; an empty or malformed one (or one that comes
+    /// while a round runs) means downloading the state from that replica.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_catch_up(
+        &mut self,
+        out: &mut Outbox,
+        from: PeerKey,
+        my_stage: Option<u32>,
+        stage: u32,
+        round: u64,
+        samples: f64,
+        data: &[u8],
+    ) -> Option<Resync> {
+        if my_stage != Some(stage) || round != self.round {
+            return None;
+        }
+        let len = self.params(stage);
+        let values = match self.catch_up.on_answer(from, round, samples, data, len)? {
+            Ok(values) if !self.rounds.active() => values,
+            Ok(_) => {
+                return Some(Resync {
+                    from,
+                    reason: "a replica of this stage is ahead",
+                });
+            }
+            Err(resync) => return Some(resync),
+        };
+        self.applying_round = true;
+        self.round_group = 0;
+        self.round_samples = samples;
+        self.catch_up.remember(round, &values, samples);
+        out.compute(self.apply(values));
+        None
+    }
+
+    /// The job that applies a round's averaged vector.
+    fn apply(&self, avg: Vec<f32>) -> Job {
+        match self.settings.sync {
+            SyncMode::AllReduce => Job::Step { grad: avg },
+            SyncMode::DiLoCo {
+                outer_lr,
+                outer_momentum,
+                ..
+            } => Job::OuterStep {
+                avg,
+                lr: outer_lr,
+                momentum: outer_momentum,
+            },
+        }
+    }
+
+    /// Another replica wants this stage's state: exported now, or once the round under way
+    /// is applied (state taken mid-round would not match the other replicas').
+    pub fn request_export(&mut self, out: &mut Outbox, to: PeerKey) {
+        if !self.rounds.active() {
+            out.compute(Job::Export { to });
+        } else if !self.deferred_exports.contains(&to)
+            && self.deferred_exports.len() < MAX_DEFERRED_EXPORTS
+        {
+            self.deferred_exports.push(to);
+        }
+    }
+
+    /// A round message of this replica's stage (see [`Rounds::on_message`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_round(
+        &mut self,
+        out: &mut Outbox,
+        members: &Membership,
+        from: PeerKey,
+        key: RoundKey,
+        msg: RoundMsg,
+        now: Duration,
+    ) {
+        let len = self.params(key.stage);
+        let replicas = members.replicas(key.stage);
+        self.rounds.on_message(
+            out,
+            from,
+            key,
+            msg,
+            self.round,
+            self.finished,
+            replicas,
+            len,
+            now,
+        );
+    }
+
+    /// Carries out what the current round wants: its messages, the request for this
+    /// replica's contribution, and applying its result.
+    pub fn drain_round(&mut self, out: &mut Outbox) {
+        while let Some((key, o)) = self.rounds.poll() {
+            match o {
+                RoundOut::Send(to, msg) => out.send(to, Message::Round { key, msg }),
+                RoundOut::NeedContribution => out.compute(match self.settings.sync {
+                    SyncMode::AllReduce => Job::TakeGradient,
+                    SyncMode::DiLoCo { .. } => Job::TakePseudoGradient,
+                }),
+                RoundOut::Finished(result) => {
+                    if !result.left_out.is_empty() || !result.zeroed.is_empty() {
+                        self.stats.rounds_degraded += 1;
+                        out.event(Event::RoundDegraded {
+                            round: key.index,
+                            left_out: result.left_out.len(),
+                            zeroed: result.zeroed.len(),
+                        });
+                    }
+                    self.stats.rounds += 1;
+                    self.round_group = result.group.len();
+                    self.round_samples = result.samples;
+                    self.round_loss = result.loss;
+                    self.catch_up
+                        .remember(key.index, &result.averaged, result.samples);
+                    out.compute(self.apply(result.averaged));
+                    self.applying_round = true;
+                }
+                RoundOut::Failed(reason) => {
+                    out.event(Event::RoundFailed {
+                        round: key.index,
+                        reason,
+                    });
+                    self.rounds.fail();
+                    return;
+                }
+            }
+        }
+    }
+
+    /// This replica's contribution to the round is computed: the sum of its gradients over
+    /// `samples` (allreduce), or its pseudo-gradient (DiLoCo), weighted here by the samples
+    /// behind it. Returns whether the samples collected were handed over (allreduce): the
+    /// other replicas should hear of it.
+    pub fn on_gradient(&mut self, values: Vec<f32>, samples: f64, now: Duration) -> bool {
+        if !self.rounds.active() {
+            return false;
+        }
+        match self.settings.sync {
+            SyncMode::AllReduce => {
+                self.accumulated = 0.0;
+                self.last_collected = now;
+                let loss = (self.losses.1 > 0.0).then_some(self.losses.0);
+                self.losses = (0.0, 0.0);
+                self.rounds.contribute(&values, samples, loss, now);
+                true
+            }
+            SyncMode::DiLoCo { .. } => {
+                let w = self.samples_since_outer as f32;
+                let scaled: Vec<f32> = values.iter().map(|v| v * w).collect();
+                self.rounds
+                    .contribute(&scaled, self.samples_since_outer, None, now);
+                false
+            }
+        }
+    }
+
+    /// A step was taken; the parameters now hash to `hash`. Closes the round it applied
+    /// (its deferred state exports go out), reports the step, and queues a checkpoint on
+    /// the schedule. Returns whether a round closed.
+    pub fn on_stepped(&mut self, out: &mut Outbox, hash: u64, last_stage: bool) -> bool {
+        let from_round = std::mem::take(&mut self.applying_round);
+        let mut group = 1;
+        let closed = match self.settings.sync {
+            SyncMode::AllReduce => {
+                self.step += 1;
+                self.round += 1;
+                true
+            }
+            SyncMode::DiLoCo { .. } if from_round => {
+                self.round += 1;
+                self.inner_steps = 0;
+                self.samples_since_outer = 0.0;
+                true
+            }
+            SyncMode::DiLoCo { .. } => {
+                self.step += 1;
+                self.inner_steps += 1;
+                self.local_step_queued = false;
+                false
+            }
+        };
+        if closed {
+            group = self.round_group;
+            self.params_hash = Some(hash);
+            self.rounds.finish();
+            for to in std::mem::take(&mut self.deferred_exports) {
+                out.compute(Job::Export { to });
+            }
+        }
+        let loss = match self.settings.sync {
+            SyncMode::AllReduce => self.round_loss.take().map(|l| l as f32),
+            SyncMode::DiLoCo { .. } if !from_round => {
+                let (sum, n) = std::mem::take(&mut self.losses);
+                (n > 0.0).then(|| (sum / n) as f32)
+            }
+            SyncMode::DiLoCo { .. } => None,
+        };
+        if last_stage && loss.is_some() {
+            self.last_loss = loss;
+        }
+        let samples = if group > 1 || from_round || self.settings.allreduce() {
+            self.round_samples
+        } else {
+            self.last_local_samples
+        };
+        out.event(Event::Stepped {
+            step: self.step,
+            loss,
+            group,
+            samples,
+            hash,
+        });
+        self.finished = self.stage_finished();
+        if let Some(every) = self.checkpoint_every {
+            // A DiLoCo replica's state is comparable with its replicas' only after a round.
+            let boundary = self.settings.allreduce() || from_round;
+            if boundary && (self.step.is_multiple_of(every) || self.finished) {
+                out.compute(Job::Checkpoint {
+                    step: self.step,
+                    round: self.round,
+                });
+            }
+        }
+        closed
+    }
+
+    /// After a step: a replica of `stage` that is ahead is caught up with.
+    pub fn catch_up_if_behind(
+        &mut self,
+        out: &mut Outbox,
+        stage: Option<u32>,
+        members: &Membership,
+        now: Duration,
+    ) {
+        if let Some(stage) = stage {
+            if let Some(ahead) = self.replica_ahead(stage, members) {
+                self.catch_up(out, stage, ahead, now);
+            }
+        }
+    }
+
+    /// Forgets everything about the stage served (it is being replaced): records of its
+    /// rounds must not answer for the next one.
+    pub fn abandon(&mut self, out: &mut Outbox) {
+        self.catch_up.abandon();
+        self.applying_round = false;
+        self.last_loss = None;
+        if let Some(key) = self.rounds.abandon() {
+            out.event(Event::RoundFailed {
+                round: key.index,
+                reason: "left the stage",
+            });
+        }
+        self.local_step_queued = false;
+        self.progress.clear();
+        self.accumulated = 0.0;
+        self.losses = (0.0, 0.0);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,283 @@
+//! Unit tests of the step coordinator, each rule fed alone.
+
+use super::*;
+use crate::swarm::interface::Action;
+
+const MS: Duration = Duration::from_millis(1);
+const ME: PeerKey = PeerKey(5);
+
+fn timing() -> Timing {
+    Timing {
+        announce_every: 50 * MS,
+        join_window: 100 * MS,
+        round_timeout: 300 * MS,
+        ..Timing::default()
+    }
+}
+
+fn settings(sync: SyncMode) -> Settings {
+    Settings {
+        me: ME,
+        sync,
+        global_batch: 8,
+        max_steps: 10,
+        params: vec![4; 3],
+        timing: timing(),
+    }
+}
+
+fn serving(sync: SyncMode) -> StepCoordinator {
+    let mut c = StepCoordinator::new(settings(sync), Codec::Fp32, Duration::ZERO);
+    c.start_serving(Some(7), Duration::ZERO);
+    c.settle_until = None;
+    c
+}
+
+fn announcement(stage: u32, round: u64, hash: Option<u64>) -> Announcement {
+    Announcement {
+        stage: Some(stage),
+        state: MemberState::Serving,
+        throughput: 1.0,
+        queue: 0,
+        step: round,
+        round,
+        params_hash: hash,
+        finished: false,
+        loss: None,
+        memory: 0,
+        incarnation: 1,
+        seq: 1,
+    }
+}
+
+fn members(list: &[(u64, u32, u64, Option<u64>)]) -> Membership {
+    let mut m = Membership::default();
+    for &(key, stage, round, hash) in list {
+        m.update(
+            PeerKey(key),
+            announcement(stage, round, hash),
+            Duration::ZERO,
+        );
+    }
+    m
+}
+
+fn sends(out: &mut Outbox) -> Vec<(PeerKey, Message)> {
+    out.drain()
+        .into_iter()
+        .filter_map(|a| match a {
+            Action::Send { to, msg } => Some((to, msg)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn commit(c: &mut StepCoordinator, rows: u32) {
+    c.on_committed(rows, None, Duration::ZERO);
+}
+
+#[test]
+fn a_round_starts_when_the_stage_holds_the_global_batch() {
+    let m = members(&[(9, 1, 0, None)]);
+    let mut out = Outbox::new(ME);
+    let mut c = serving(SyncMode::AllReduce);
+    commit(&mut c, 4);
+    c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
+    assert!(!c.in_round(), "4 of 8 samples");
+    // The other replica reports 4: the stage has the batch; the smaller key leads.
+    assert!(c.on_progress(PeerKey(9), 0, 4.0, 0.0));
+    c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
+    assert!(c.in_round());
+    c.drain_round(&mut out);
+    assert_eq!(
+        sends(&mut out),
+        [(
+            PeerKey(9),
+            Message::Round {
+                key: RoundKey { stage: 1, index: 0 },
+                msg: RoundMsg::Join
+            }
+        )],
+        "5 leads, inviting 9"
+    );
+    // Not serving: nothing.
+    let mut c = serving(SyncMode::AllReduce);
+    commit(&mut c, 8);
+    c.maybe_begin_round(&mut out, None, &m, None, MS);
+    assert!(!c.in_round());
+}
+
+/// Progress reports from a replica only move forward: one overtaken on the way does not
+/// lower its count, and nonsense is refused.
+#[test]
+fn a_stale_or_invalid_progress_report_is_ignored() {
+    let mut c = serving(SyncMode::AllReduce);
+    assert!(c.on_progress(PeerKey(9), 0, 4.0, 2.0));
+    assert!(!c.on_progress(PeerKey(9), 0, 2.0, 0.0));
+    assert!(c.on_progress(PeerKey(9), 1, 0.0, 0.0));
+    assert!(!c.on_progress(PeerKey(9), 0, 8.0, 0.0));
+    assert!(!c.on_progress(PeerKey(8), 0, f64::NAN, 0.0));
+    assert!(!c.on_progress(PeerKey(8), 0, 1.0, -1.0));
+}
+
+#[test]
+fn a_replica_that_just_started_serving_settles_before_starting_a_round() {
+    let m = members(&[]);
+    let mut out = Outbox::new(ME);
+    let mut c = StepCoordinator::new(settings(SyncMode::AllReduce), Codec::Fp32, Duration::ZERO);
+    c.start_serving(Some(7), 50 * MS);
+    commit(&mut c, 8);
+    c.maybe_begin_round(&mut out, Some(1), &m, None, 10 * MS);
+    assert!(!c.in_round());
+    assert_eq!(c.next_timeout(), Some(50 * MS));
+    assert_eq!(c.handle_timeout(&mut out, Some(1), &m, None, 50 * MS), None);
+    assert!(c.in_round(), "the settle timer starts the round");
+}
+
+#[test]
+fn a_starving_stage_closes_its_round_with_what_it_has() {
+    let m = members(&[]);
+    let mut out = Outbox::new(ME);
+    let mut c = serving(SyncMode::AllReduce);
+    commit(&mut c, 4);
+    // No evidence that samples were lost: wait for the rest of the batch.
+    c.maybe_begin_round(&mut out, Some(1), &m, None, Duration::from_secs(5));
+    assert!(!c.in_round());
+    assert_eq!(c.next_timeout(), None);
+    // A microbatch of the next step waits here since 1 s: the round closes once a join
+    // window has passed with nothing new.
+    let waiting = Some(Duration::from_secs(1));
+    c.maybe_begin_round(&mut out, Some(1), &m, waiting, Duration::from_secs(1));
+    assert!(!c.in_round());
+    let check = Duration::from_secs(1) + timing().join_window;
+    assert_eq!(c.next_timeout(), Some(check));
+    c.handle_timeout(&mut out, Some(1), &m, waiting, check);
+    assert!(c.in_round());
+    // Another stage two rounds ahead is evidence too, once this stage has samples.
+    let ahead = members(&[(9, 2, 2, None)]);
+    let mut c = serving(SyncMode::AllReduce);
+    c.maybe_begin_round(&mut out, Some(1), &ahead, None, Duration::from_secs(5));
+    assert!(!c.in_round(), "nothing to close the round with");
+    commit(&mut c, 2);
+    c.maybe_begin_round(&mut out, Some(1), &ahead, None, Duration::from_secs(5));
+    assert!(c.in_round());
+}
+
+#[test]
+fn a_replica_behind_catches_up_from_the_replica_ahead_and_downloads_if_it_cannot() {
+    let m = members(&[(9, 1, 1, Some(3))]);
+    let mut out = Outbox::new(ME);
+    let mut c = serving(SyncMode::AllReduce);
+    let a = announcement(1, 1, Some(3));
+    assert_eq!(
+        c.on_replica_announced(&mut out, 1, &m, PeerKey(9), &a, MS),
+        None
+    );
+    let request = Message::CatchUpRequest { stage: 1, round: 0 };
+    assert_eq!(sends(&mut out), [(PeerKey(9), request)]);
+    // The replica ahead answers from its record.
+    let mut ahead = serving(SyncMode::AllReduce);
+    ahead.catch_up.remember(0, &[0.5; 4], 8.0);
+    let mut theirs = Outbox::new(PeerKey(9));
+    ahead.answer_catch_up(&mut theirs, ME, 1, 0);
+    let Some((_, Message::CatchUp { data, samples, .. })) = sends(&mut theirs).pop() else {
+        panic!("an answer");
+    };
+    // An answer nobody asked for is ignored; the one asked for is applied as a step.
+    assert_eq!(
+        c.on_catch_up(&mut out, PeerKey(8), Some(1), 1, 0, samples, &data),
+        None
+    );
+    assert_eq!(
+        c.on_catch_up(&mut out, PeerKey(9), Some(1), 1, 0, samples, &data),
+        None
+    );
+    assert_eq!(out.jobs.next(MS), Some(Job::Step { grad: vec![0.5; 4] }));
+    // A replica that no longer has the round answers empty: download the state.
+    let mut c = serving(SyncMode::AllReduce);
+    c.on_replica_announced(&mut out, 1, &m, PeerKey(9), &a, MS);
+    let resync = c.on_catch_up(&mut out, PeerKey(9), Some(1), 1, 0, 0.0, &[]);
+    assert_eq!(resync.map(|r| r.from), Some(PeerKey(9)));
+    // So does a replica that gets no answer.
+    let mut c = serving(SyncMode::AllReduce);
+    c.on_replica_announced(&mut out, 1, &m, PeerKey(9), &a, MS);
+    let deadline = MS + timing().round_timeout;
+    assert_eq!(c.next_timeout(), Some(deadline));
+    let resync = c.handle_timeout(&mut out, Some(1), &m, None, deadline);
+    assert_eq!(resync.map(|r| r.from), Some(PeerKey(9)));
+}
+
+/// Laggards and the end of the run: a driver of a stage ahead of another by more than a
+/// round, or of a finished stage, is told to feed the slowest round only.
+#[test]
+fn a_driver_ahead_of_a_lagging_stage_is_told_so() {
+    let mut c = serving(SyncMode::AllReduce);
+    c.set_position(3, 3);
+    let d = c.demand(&members(&[(9, 1, 2, None)]), 4.0, 0.0);
+    assert_eq!(d.ahead, None, "a round behind is normal");
+    let d = c.demand(&members(&[(9, 1, 1, None)]), 4.0, 0.0);
+    assert_eq!(d.ahead, Some(1));
+    assert_eq!(d.quota, 8.0);
+    // DiLoCo replicas step on their own: no laggards, the quota is the local batch.
+    let mut c = serving(SyncMode::diloco(2));
+    c.set_position(3, 3);
+    let d = c.demand(&members(&[(9, 0, 1, None)]), 4.0, 0.0);
+    assert_eq!((d.ahead, d.quota, d.others), (None, 4.0, None));
+}
+
+#[test]
+fn diloco_takes_local_steps_and_averages_every_h() {
+    let m = members(&[(9, 1, 0, None)]);
+    let mut out = Outbox::new(ME);
+    let mut c = serving(SyncMode::diloco(2));
+    for step in 0..2 {
+        commit(&mut c, 4);
+        c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
+        assert_eq!(out.jobs.next(MS), Some(Job::LocalStep), "step {step}");
+        out.jobs.finished(MS);
+        assert!(c.demand(&m, 4.0, 0.0).blocked, "until the step is applied");
+        assert!(!c.on_stepped(&mut out, 1, true));
+    }
+    assert_eq!(c.step(), 2);
+    c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
+    assert!(c.in_round(), "H = 2 local steps: average");
+}
+
+#[test]
+fn state_requests_wait_for_the_round_and_checkpoints_follow_the_schedule() {
+    let m = members(&[]);
+    let mut out = Outbox::new(ME);
+    let mut c = serving(SyncMode::AllReduce);
+    c.set_checkpoint_every(Some(2));
+    commit(&mut c, 8);
+    c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
+    c.request_export(&mut out, PeerKey(9));
+    c.request_export(&mut out, PeerKey(9));
+    c.drain_round(&mut out);
+    // Alone, the round finishes at once once the gradient comes.
+    assert_eq!(out.jobs.next(MS), Some(Job::TakeGradient));
+    out.jobs.finished(MS);
+    assert!(c.on_gradient(vec![1.0; 4], 8.0, MS));
+    c.drain_round(&mut out);
+    assert!(matches!(out.jobs.next(MS), Some(Job::Step { .. })));
+    out.jobs.finished(MS);
+    assert!(c.on_stepped(&mut out, 11, false));
+    assert_eq!(out.jobs.next(MS), Some(Job::Export { to: PeerKey(9) }));
+    out.jobs.finished(MS);
+    assert_eq!(out.jobs.next(MS), None, "step 1: no checkpoint");
+    commit(&mut c, 8);
+    c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
+    c.drain_round(&mut out);
+    out.jobs.next(MS);
+    out.jobs.finished(MS);
+    c.on_gradient(vec![1.0; 4], 8.0, MS);
+    c.drain_round(&mut out);
+    out.jobs.next(MS);
+    out.jobs.finished(MS);
+    c.on_stepped(&mut out, 12, false);
+    assert_eq!(
+        out.jobs.next(MS),
+        Some(Job::Checkpoint { step: 2, round: 2 })
+    );
+    assert_eq!(c.params_hash(), Some(12));
+}

@@ -1,0 +1,830 @@
+//! The data driver: a replica of the first stage that starts microbatches.
+//!
+//! It decides how many microbatches to keep in flight (a window sized by the pipeline's round
+//! trip), how many to start for a step (its share of the step, dealt out over the drivers by
+//! throughput), when to hold back (the step is complete, another stage lags, the step is not
+//! applied yet) and when to give up holding back (nothing advanced for a while). Its
+//! [`Ledger`] makes every microbatch apply at most once however often it is retried.
+//!
+//! The driver owns no compute and no routing: it queues forward jobs for its own microbatches
+//! and the peer passes their activations on like anyone else's.
+
+use super::PeerKey;
+use super::config::{StageCosts, Timing};
+use super::interface::{Event, Input, Job};
+use super::ledger::{Arrival, Entry, Expiry, Ledger};
+use super::membership::{Placement, stage_totals};
+use super::message::Message;
+use super::outbox::Outbox;
+use super::{SeededRng, ledger};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Microbatches over which the least round trip is taken (then it starts over, so that a
+/// route that got slower is noticed).
+const RTT_EPOCH: u32 = 64;
+
+/// Weight of a new round trip in the moving average the deadlines follow.
+const RTT_WEIGHT: f64 = 0.2;
+
+/// What the step being collected needs from this driver, as the step coordinator and the
+/// membership see it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Demand {
+    /// The round new microbatches count toward.
+    pub round: u64,
+    /// Samples the step needs: the global batch from all drivers together (allreduce), this
+    /// replica's local batch (DiLoCo).
+    pub quota: f64,
+    /// This driver's part of the step's samples (see [`share`]).
+    pub share: f64,
+    /// Samples committed here toward `round`, commits still queued included.
+    pub committed: f64,
+    /// Samples the stage's other replicas committed or have in flight toward `round`
+    /// (allreduce: drivers count each other's claims); None in DiLoCo, where each replica
+    /// fills its own local batch.
+    pub others: Option<f64>,
+    /// The step must be applied before more microbatches start (a local step is queued, or
+    /// this replica's contribution is in a round whose result it has not applied).
+    pub blocked: bool,
+    /// This stage is ahead of the run (it took its last step, or another stage is more than
+    /// a round behind): the round of the slowest stage, which is what a microbatch started
+    /// to unstick the swarm counts toward.
+    pub ahead: Option<u64>,
+}
+
+/// One data driver's flow control and ledger.
+#[derive(Debug)]
+pub(super) struct Driver {
+    ledger: Ledger,
+    next_microbatch: u64,
+    next_attempt: u64,
+    /// Routes of this driver's attempts whose backward pass was accepted, to commit along.
+    routes: BTreeMap<u64, Vec<PeerKey>>,
+    /// Round trip of a microbatch, a moving average (0: none yet); deadlines follow it.
+    rtt: f64,
+    /// The least round trip of a microbatch lately (no queueing on the way): this epoch's and
+    /// the last one's, and how many microbatches this epoch has seen.
+    rtt_floor: (f64, f64, u32),
+    /// When to look again at a step this driver is holding back on.
+    stall_check: Option<Duration>,
+    /// When the run last advanced (a replica announced a new round, or this one stepped).
+    last_advance: Duration,
+}
+
+impl Driver {
+    /// A driver with nothing in flight; the run counts as advancing from `now`.
+    pub fn new(now: Duration) -> Self {
+        Driver {
+            ledger: Ledger::default(),
+            next_microbatch: 0,
+            next_attempt: 0,
+            routes: BTreeMap::new(),
+            rtt: 0.0,
+            rtt_floor: (f64::INFINITY, f64::INFINITY, 0),
+            stall_check: None,
+            last_advance: now,
+        }
+    }
+
+    /// The entry of one of this driver's attempts.
+    pub fn entry(&self, attempt: u64) -> Option<&Entry> {
+        self.ledger.entry_of(attempt)
+    }
+
+    /// Microbatches in flight.
+    pub fn in_flight(&self) -> usize {
+        self.ledger.in_flight()
+    }
+
+    /// Retries started and microbatches dropped so far.
+    pub fn stats(&self) -> ledger::LedgerStats {
+        self.ledger.stats
+    }
+
+    /// Not driving now: no step to look at again.
+    pub fn rest(&mut self) {
+        self.stall_check = None;
+    }
+
+    /// The run advanced a round.
+    pub fn note_advance(&mut self, now: Duration) {
+        self.last_advance = now;
+    }
+
+    /// The earliest of the driver's deadlines.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        [self.ledger.next_deadline(), self.stall_check]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// How long an attempt may take: three times the measured round trip of a microbatch,
+    /// and never less than the configured floor (a slow pipeline is not a dead one).
+    pub fn microbatch_deadline(&self, timing: &Timing) -> Duration {
+        timing
+            .microbatch_deadline
+            .max(Duration::from_secs_f64(3.0 * self.rtt))
+    }
+
+    /// Microbatches to keep in flight (see [`driver_window`]): between the configured least
+    /// and most per stage of the pipeline.
+    pub fn window(
+        &self,
+        placements: &[Placement],
+        costs: &StageCosts,
+        timing: &Timing,
+        own: f64,
+        microbatch: u32,
+    ) -> usize {
+        let stages = costs.memory.len();
+        let floor = (timing.in_flight_per_stage as usize * stages).max(1);
+        let ceiling = (timing.max_in_flight_per_stage as usize * stages).max(floor);
+        driver_window(
+            placements,
+            costs,
+            (floor, ceiling),
+            self.rtt_floor.0.min(self.rtt_floor.1),
+            own,
+            microbatch,
+        )
+    }
+
+    /// Starts microbatches of `rows` samples while the window has room and the step needs
+    /// them. Returns whether any started.
+    ///
+    /// Drivers learn of each other's claims a round trip late, so each starts only its share
+    /// of the step; a driver holding back looks again after the join window, and if the run
+    /// has not advanced by then (a driver is gone or slow) it fills the step up to the whole
+    /// quota. A stage that is ahead of the run waits for the others (every stage sees every
+    /// committed microbatch, so they have what they need), unless nothing advanced for the
+    /// join window: then microbatches go out one at a time, counted toward the slowest
+    /// stage's round, in case a stage lost samples (a replica that re-synced drops what it
+    /// had collected).
+    pub fn pump(
+        &mut self,
+        out: &mut Outbox,
+        me: PeerKey,
+        demand: &Demand,
+        window: usize,
+        rows: u32,
+        timing: &Timing,
+        now: Duration,
+    ) -> bool {
+        self.stall_check = None;
+        let mut started = false;
+        while self.ledger.in_flight() < window {
+            let stalled = now.saturating_sub(self.last_advance) >= timing.join_window;
+            let look_again = self.last_advance + timing.join_window;
+            let round = match demand.ahead {
+                Some(slowest) => {
+                    if !stalled {
+                        self.stall_check = Some(look_again);
+                    }
+                    if !stalled || self.ledger.in_flight() > 0 {
+                        break;
+                    }
+                    slowest
+                }
+                None => {
+                    let rows = f64::from(rows);
+                    let mine =
+                        demand.committed + self.ledger.in_flight_from(demand.round) as f64 * rows;
+                    let claimed = match demand.others {
+                        Some(others) => {
+                            demand.committed + self.ledger.in_flight() as f64 * rows + others
+                        }
+                        None => mine,
+                    };
+                    if claimed >= demand.quota || (mine >= demand.share && !stalled) {
+                        if !stalled {
+                            self.stall_check = Some(look_again);
+                        }
+                        break;
+                    }
+                    if demand.blocked {
+                        break;
+                    }
+                    demand.round
+                }
+            };
+            started = true;
+            self.start(out, me, rows, round, timing, now);
+        }
+        started
+    }
+
+    fn start(
+        &mut self,
+        out: &mut Outbox,
+        me: PeerKey,
+        rows: u32,
+        round: u64,
+        timing: &Timing,
+        now: Duration,
+    ) {
+        let microbatch = self.next_microbatch;
+        self.next_microbatch += 1;
+        self.next_attempt += 1;
+        let id = attempt_id(me, self.next_attempt);
+        let sample = attempt_id(PeerKey(me.0 ^ 0x5A5A_5A5A), microbatch);
+        let deadline = now + self.microbatch_deadline(timing);
+        self.ledger
+            .start(microbatch, sample, rows, round, id, now, deadline);
+        out.compute(Job::Forward {
+            id,
+            rows,
+            input: Input::Sample { index: sample },
+            targets: None,
+        });
+    }
+
+    /// Retries the microbatches whose attempt timed out (same sample, new attempt id), and
+    /// drops those out of attempts: their attempts are aborted here and at their first hop.
+    pub fn expire(&mut self, out: &mut Outbox, me: PeerKey, timing: &Timing, now: Duration) {
+        let deadline = self.microbatch_deadline(timing);
+        let mut n = self.next_attempt;
+        let expired = self.ledger.expire(now, timing.max_attempts, deadline, || {
+            n += 1;
+            attempt_id(me, n)
+        });
+        self.next_attempt = n;
+        for e in expired {
+            match e {
+                Expiry::Retry {
+                    attempt,
+                    sample,
+                    rows,
+                    ..
+                } => out.compute(Job::Forward {
+                    id: attempt,
+                    rows,
+                    input: Input::Sample { index: sample },
+                    targets: None,
+                }),
+                Expiry::Dropped(entry) => {
+                    for (a, hop) in entry.live {
+                        out.compute(Job::Abort { id: a });
+                        if let Some(h) = hop {
+                            out.send(h, Message::Abort { id: a });
+                        }
+                    }
+                    out.event(Event::Dropped {
+                        microbatch: entry.microbatch,
+                    });
+                }
+            }
+        }
+    }
+
+    /// The first hop of the attempt before `attempt` of the same microbatch: a retry goes
+    /// elsewhere if it can.
+    pub fn previous_hop(&self, attempt: u64) -> Option<PeerKey> {
+        self.ledger
+            .entry_of(attempt)
+            .and_then(|e| e.live.iter().rev().nth(1).and_then(|l| l.1))
+    }
+
+    /// The attempt's activations went to `first_hop`.
+    pub fn sent(&mut self, attempt: u64, first_hop: PeerKey) {
+        self.ledger.sent(attempt, first_hop);
+    }
+
+    /// The attempt's route failed (a hop rejected it, or it could not be sent): retry now.
+    pub fn fail(&mut self, attempt: u64, now: Duration) {
+        self.ledger.fail(attempt, now);
+    }
+
+    /// Attempts whose first hop was `peer` (gone, or unreachable) are retried now.
+    pub fn fail_hop(&mut self, peer: PeerKey, now: Duration) {
+        self.ledger.fail_hop(peer, now);
+    }
+
+    /// The accepted attempt's backward pass failed here: the microbatch is retried.
+    pub fn failed_locally(&mut self, attempt: u64, now: Duration) {
+        self.ledger.unaccept(attempt, now);
+        self.ledger.fail(attempt, now);
+    }
+
+    /// A pipeline of one stage: this driver computed the loss itself, so its attempt came
+    /// home. Returns the sample and rows of the microbatch.
+    pub fn came_home_locally(&mut self, me: PeerKey, attempt: u64) -> Option<(u64, u32)> {
+        let (sample, rows) = self.ledger.entry_of(attempt).map(|e| (e.sample, e.rows))?;
+        self.routes.insert(attempt, vec![me]);
+        let _ = self.ledger.arrive(attempt);
+        Some((sample, rows))
+    }
+
+    /// The gradient of an attempt came home along `route` with `values` values (the caller
+    /// decoded them, bounded by the largest microbatch). The first attempt to come home wins:
+    /// the others are aborted here; a later one is aborted along its route. Returns the
+    /// sample and rows of an accepted attempt, whose backward pass the caller runs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn came_home(
+        &mut self,
+        out: &mut Outbox,
+        me: PeerKey,
+        attempt: u64,
+        route: Vec<PeerKey>,
+        values: usize,
+        stages: u32,
+        activation_values: usize,
+    ) -> Option<(u64, u32)> {
+        let (sample, rows) = self.ledger.entry_of(attempt).map(|e| (e.sample, e.rows))?;
+        if values != activation_values * rows as usize
+            || route.len() != stages as usize
+            || route.first() != Some(&me)
+        {
+            return None;
+        }
+        match self.ledger.arrive(attempt) {
+            Arrival::Accept { abort } => {
+                for a in abort {
+                    out.compute(Job::Abort { id: a });
+                }
+                self.routes.insert(attempt, route);
+                Some((sample, rows))
+            }
+            Arrival::Stale => {
+                for hop in route.iter().skip(1) {
+                    out.send(*hop, Message::Abort { id: attempt });
+                }
+                None
+            }
+        }
+    }
+
+    /// The accepted attempt's backward pass finished here: the microbatch is committed, and
+    /// every stage on its route is told to add its gradient. None if the attempt is not the
+    /// accepted one of a live microbatch (so nothing is ever committed twice).
+    pub fn commit(&mut self, out: &mut Outbox, attempt: u64, now: Duration) -> Option<Entry> {
+        let entry = self.ledger.commit(attempt)?;
+        let rtt = now.saturating_sub(entry.started).as_secs_f64();
+        self.rtt = if self.rtt > 0.0 {
+            (1.0 - RTT_WEIGHT) * self.rtt + RTT_WEIGHT * rtt
+        } else {
+            rtt
+        };
+        let (current, last, count) = &mut self.rtt_floor;
+        *current = current.min(rtt);
+        *count += 1;
+        if *count >= RTT_EPOCH {
+            *last = std::mem::replace(current, f64::INFINITY);
+            *count = 0;
+        }
+        let route = self.routes.remove(&attempt).unwrap_or_default();
+        for hop in route.iter().skip(1) {
+            out.send(*hop, Message::Commit { id: attempt });
+        }
+        Some(entry)
+    }
+
+    /// Forgets every microbatch in flight: the stage state they were started on is being
+    /// replaced, so none can complete (they count as dropped).
+    pub fn abandon(&mut self) {
+        self.routes.clear();
+        self.ledger.abandon();
+    }
+}
+
+/// This driver's part of a step's samples: the step's microbatches dealt out over the drivers
+/// (the first stage's replicas, `me` with `own` throughput among them) in key order, so that
+/// together they start the global batch and no more. `weighted`: in proportion to the
+/// drivers' throughput (a fast driver must not wait for a slow one to push its equal part
+/// through), unless some driver's throughput is unknown; equal parts otherwise (the uniform
+/// baseline, and DiLoCo, where every replica's local step is an equal part of the batch).
+pub(super) fn share(
+    placements: &[Placement],
+    me: PeerKey,
+    own: f64,
+    weighted: bool,
+    global_batch: u32,
+    microbatch: u32,
+) -> f64 {
+    let mut drivers: Vec<(PeerKey, f64)> = placements
+        .iter()
+        .filter(|p| p.stage == 0)
+        .map(|p| (p.peer, p.throughput))
+        .collect();
+    if !drivers.iter().any(|d| d.0 == me) {
+        drivers.push((me, own));
+    }
+    drivers.sort_unstable_by_key(|d| d.0);
+    let weighted = weighted && drivers.iter().all(|d| d.1.is_finite() && d.1 > 0.0);
+    if !weighted {
+        drivers.iter_mut().for_each(|d| d.1 = 1.0);
+    }
+    let rows = u64::from(microbatch.max(1));
+    let microbatches = u64::from(global_batch).div_ceil(rows);
+    let weights: Vec<f64> = drivers.iter().map(|d| d.1).collect();
+    let position = drivers.iter().position(|d| d.0 == me).unwrap_or(0);
+    let mine = deal(microbatches, &weights)
+        .get(position)
+        .copied()
+        .unwrap_or(0);
+    (mine * rows) as f64
+}
+
+/// `items` dealt out in proportion to `weights` (whole items, summing to `items`): the floor
+/// of each exact share, then one more to the largest remainders, earlier entries first.
+fn deal(items: u64, weights: &[f64]) -> Vec<u64> {
+    let total: f64 = weights.iter().sum();
+    if weights.is_empty() || total.is_nan() || total <= 0.0 {
+        return vec![0; weights.len()];
+    }
+    let exact: Vec<f64> = weights.iter().map(|w| items as f64 * w / total).collect();
+    let mut dealt: Vec<u64> = exact.iter().map(|e| e.floor() as u64).collect();
+    let mut order: Vec<usize> = (0..weights.len()).collect();
+    order.sort_by(|a, b| {
+        let (fa, fb) = (exact[*a] - exact[*a].floor(), exact[*b] - exact[*b].floor());
+        fb.total_cmp(&fa).then(a.cmp(b))
+    });
+    let left = items.saturating_sub(dealt.iter().sum());
+    for i in order.into_iter().cycle().take(left as usize) {
+        dealt[i] += 1;
+    }
+    dealt
+}
+
+/// A swarm-unique id for an attempt (or a sample): a mix of the peer and a counter.
+fn attempt_id(me: PeerKey, n: u64) -> u64 {
+    SeededRng::new(me.0 ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
+}
+
+/// Microbatches a driver keeps in flight: as many as the pipeline's round trip needs to keep
+/// the slowest stage busy, by Little's law (in flight = throughput x round trip), within
+/// `limits` (least, most) and what the replicas' memory holds. The round trip measured is the
+/// least one (an idle pipeline); under load every device also queues the forward passes of new
+/// microbatches beside the backward passes of returning ones, and several drivers' microbatches
+/// meet at a stage's replicas, so the window is four times the product (in the simulator, on
+/// two stages across US regions: twice gave 74% efficiency, four times 83%, eight times 83%).
+///
+/// `rtt` is the least round trip of this driver's microbatches lately (infinite: none yet),
+/// `own` its throughput at the first stage (samples/s), `placements` every replica with its
+/// throughput. Over links whose latency is small next to a microbatch's compute the least
+/// window suffices; across regions it takes several times more.
+pub fn driver_window(
+    placements: &[Placement],
+    costs: &StageCosts,
+    limits: (usize, usize),
+    rtt: f64,
+    own: f64,
+    microbatch: u32,
+) -> usize {
+    let (floor, ceiling) = limits;
+    let stages = costs.memory.len() as u32;
+    let totals = stage_totals(placements, stages);
+    let slowest = totals.iter().map(|t| t.0).fold(f64::INFINITY, f64::min);
+    let drivers = totals.first().map_or(0.0, |t| t.0);
+    if !(rtt.is_finite() && own > 0.0 && slowest.is_finite() && slowest > 0.0 && drivers > 0.0) {
+        return floor;
+    }
+    // This driver's part of what the slowest stage can take, in samples per second.
+    let share = slowest * own / drivers;
+    let target = (4.0 * share * rtt / f64::from(microbatch.max(1))).ceil();
+    let target = if target.is_finite() {
+        target as usize
+    } else {
+        floor
+    };
+    let memory = memory_window(placements, costs, floor).max(floor);
+    target.clamp(floor, ceiling.min(memory).max(floor))
+}
+
+/// The largest window whose microbatches every stage's replicas can hold beside their state,
+/// if the drivers' windows spread evenly over a stage's replicas. A stage's `costs.memory`
+/// already holds `floor` microbatches.
+fn memory_window(placements: &[Placement], costs: &StageCosts, floor: usize) -> usize {
+    let drivers = placements.iter().filter(|p| p.stage == 0).count().max(1) as u64;
+    let mut window = u64::MAX;
+    for (stage, (&need, &per)) in costs
+        .memory
+        .iter()
+        .zip(&costs.microbatch_memory)
+        .enumerate()
+    {
+        let replicas: Vec<u64> = placements
+            .iter()
+            .filter(|p| p.stage as usize == stage)
+            .map(|p| p.memory)
+            .collect();
+        // Memory 0: not limited.
+        let Some(least) = replicas.iter().copied().filter(|m| *m > 0).min() else {
+            continue;
+        };
+        if per == 0 {
+            continue;
+        }
+        // Microbatches one replica can hold, then the window that puts that many on each.
+        let held = floor as u64 + least.saturating_sub(need) / per;
+        window = window.min(held * replicas.len() as u64 / drivers);
+    }
+    usize::try_from(window).unwrap_or(usize::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::swarm::interface::Action;
+
+    const MS: Duration = Duration::from_millis(1);
+    const ME: PeerKey = PeerKey(1);
+
+    fn timing() -> Timing {
+        Timing {
+            join_window: 100 * MS,
+            microbatch_deadline: 300 * MS,
+            max_attempts: 2,
+            ..Timing::default()
+        }
+    }
+
+    /// An allreduce step of 16 samples (microbatches of 2) of which this driver's share is 8.
+    fn demand() -> Demand {
+        Demand {
+            round: 3,
+            quota: 16.0,
+            share: 8.0,
+            committed: 0.0,
+            others: Some(0.0),
+            blocked: false,
+            ahead: None,
+        }
+    }
+
+    /// The forward jobs a pump started: (sample, round) of each new microbatch.
+    fn pump(d: &mut Driver, demand: &Demand, window: usize, now: Duration) -> Vec<(u64, u64)> {
+        let mut out = Outbox::new(ME);
+        d.pump(&mut out, ME, demand, window, 2, &timing(), now);
+        let mut started = Vec::new();
+        while let Some(Job::Forward { id, .. }) = out.jobs.next(now) {
+            let e = d.entry(id).expect("a started attempt is in the ledger");
+            started.push((e.sample, e.round));
+            out.jobs.finished(now);
+        }
+        started
+    }
+
+    #[test]
+    fn a_driver_starts_its_share_of_the_step_within_its_window() {
+        let mut d = Driver::new(Duration::ZERO);
+        assert_eq!(
+            pump(&mut d, &demand(), 3, Duration::ZERO).len(),
+            3,
+            "window"
+        );
+        assert_eq!(
+            pump(&mut d, &demand(), 16, Duration::ZERO).len(),
+            1,
+            "share"
+        );
+        assert_eq!(d.in_flight(), 4);
+        // Every microbatch counts toward the round being collected, with a distinct sample.
+        let mut d = Driver::new(Duration::ZERO);
+        let started = pump(&mut d, &demand(), 16, Duration::ZERO);
+        assert!(started.iter().all(|s| s.1 == 3));
+        let mut samples: Vec<u64> = started.iter().map(|s| s.0).collect();
+        samples.dedup();
+        assert_eq!(samples.len(), 4);
+    }
+
+    /// Stall: a driver that started its share looks again after the join window; if the run
+    /// has not advanced by then, it fills the step up to the whole quota (another driver is
+    /// gone or slow), but never beyond it.
+    #[test]
+    fn a_stalled_step_is_filled_up_to_the_quota_by_any_driver() {
+        let mut d = Driver::new(Duration::ZERO);
+        assert_eq!(pump(&mut d, &demand(), 16, Duration::ZERO).len(), 4);
+        assert_eq!(d.next_timeout(), Some(Duration::from_millis(100)));
+        assert!(pump(&mut d, &demand(), 16, 50 * MS).is_empty());
+        // The run advanced meanwhile: the step is not stalled, wait again.
+        d.note_advance(60 * MS);
+        assert!(pump(&mut d, &demand(), 16, 100 * MS).is_empty());
+        assert_eq!(d.stall_check, Some(160 * MS));
+        // Nothing advanced for a join window: the driver starts the rest of the step.
+        assert_eq!(pump(&mut d, &demand(), 16, 160 * MS).len(), 4);
+        assert!(pump(&mut d, &demand(), 16, 500 * MS).is_empty(), "quota");
+        // What other drivers claimed counts toward the quota.
+        let mut d = Driver::new(Duration::ZERO);
+        let others = Demand {
+            others: Some(12.0),
+            ..demand()
+        };
+        assert_eq!(pump(&mut d, &others, 16, Duration::from_secs(1)).len(), 2);
+    }
+
+    /// Laggards: a stage ahead of the run starts nothing while the run advances, then, once
+    /// it stalls, one microbatch at a time, for the slowest stage's round.
+    #[test]
+    fn a_stage_ahead_of_the_run_waits_then_feeds_the_slowest_round_one_at_a_time() {
+        let ahead = Demand {
+            ahead: Some(1),
+            ..demand()
+        };
+        let mut d = Driver::new(Duration::ZERO);
+        assert!(pump(&mut d, &ahead, 16, 50 * MS).is_empty());
+        assert_eq!(d.next_timeout(), Some(100 * MS));
+        assert_eq!(pump(&mut d, &ahead, 16, 100 * MS), [(d_sample(0), 1)]);
+        assert!(
+            pump(&mut d, &ahead, 16, 200 * MS).is_empty(),
+            "one at a time"
+        );
+    }
+
+    fn d_sample(microbatch: u64) -> u64 {
+        attempt_id(PeerKey(ME.0 ^ 0x5A5A_5A5A), microbatch)
+    }
+
+    #[test]
+    fn nothing_starts_before_the_step_is_applied() {
+        let blocked = Demand {
+            blocked: true,
+            ..demand()
+        };
+        let mut d = Driver::new(Duration::ZERO);
+        assert!(pump(&mut d, &blocked, 16, Duration::from_secs(9)).is_empty());
+        // In DiLoCo only this replica's own samples count.
+        let diloco = Demand {
+            others: None,
+            quota: 4.0,
+            share: 4.0,
+            committed: 2.0,
+            ..demand()
+        };
+        assert_eq!(pump(&mut d, &diloco, 16, Duration::ZERO).len(), 1);
+    }
+
+    #[test]
+    fn a_timed_out_microbatch_is_retried_on_the_same_sample_then_dropped() {
+        let t = timing();
+        let mut d = Driver::new(Duration::ZERO);
+        let mut out = Outbox::new(ME);
+        d.pump(&mut out, ME, &demand(), 1, 2, &t, Duration::ZERO);
+        let Some(Job::Forward { id: first, .. }) = out.jobs.next(Duration::ZERO) else {
+            panic!("a forward job");
+        };
+        out.jobs.finished(Duration::ZERO);
+        d.sent(first, PeerKey(7));
+        assert_eq!(d.next_timeout(), Some(t.microbatch_deadline));
+        d.expire(&mut out, ME, &t, t.microbatch_deadline);
+        let Some(Job::Forward {
+            id: retry, input, ..
+        }) = out.jobs.next(Duration::ZERO)
+        else {
+            panic!("a retry");
+        };
+        out.jobs.finished(Duration::ZERO);
+        assert_ne!(retry, first);
+        assert_eq!(input, Input::Sample { index: d_sample(0) });
+        assert_eq!(
+            d.previous_hop(retry),
+            Some(PeerKey(7)),
+            "the retry avoids it"
+        );
+        // Out of attempts: both attempts are aborted, the first also at its first hop.
+        d.expire(&mut out, ME, &t, 2 * t.microbatch_deadline);
+        let mut aborted = Vec::new();
+        while let Some(job) = out.jobs.next(Duration::ZERO) {
+            aborted.push(job);
+            out.jobs.finished(Duration::ZERO);
+        }
+        assert_eq!(
+            aborted,
+            [Job::Abort { id: first }, Job::Abort { id: retry }]
+        );
+        let actions = out.drain();
+        assert!(actions.contains(&Action::Send {
+            to: PeerKey(7),
+            msg: Message::Abort { id: first }
+        }));
+        assert!(actions.contains(&Action::Event(Event::Dropped { microbatch: 0 })));
+        assert_eq!(d.stats().dropped, 1);
+        assert_eq!(d.in_flight(), 0);
+    }
+
+    #[test]
+    fn the_first_attempt_home_is_committed_along_its_route_once() {
+        let t = timing();
+        let mut d = Driver::new(Duration::ZERO);
+        let mut out = Outbox::new(ME);
+        d.pump(&mut out, ME, &demand(), 1, 2, &t, Duration::ZERO);
+        let Some(Job::Forward { id, .. }) = out.jobs.next(Duration::ZERO) else {
+            panic!("a forward job");
+        };
+        out.jobs.finished(Duration::ZERO);
+        let route = vec![ME, PeerKey(2), PeerKey(3)];
+        // Wrong shape, wrong route: ignored.
+        assert_eq!(d.came_home(&mut out, ME, id, route.clone(), 5, 3, 6), None);
+        assert_eq!(
+            d.came_home(&mut out, ME, id, route[1..].to_vec(), 12, 3, 6),
+            None
+        );
+        assert_eq!(
+            d.came_home(&mut out, ME, id, route.clone(), 12, 3, 6),
+            Some((d_sample(0), 2))
+        );
+        // A second answer of the same attempt is stale: aborted along its route.
+        assert_eq!(d.came_home(&mut out, ME, id, route.clone(), 12, 3, 6), None);
+        out.drain();
+        let entry = d.commit(&mut out, id, 40 * MS).expect("committed");
+        assert_eq!(entry.sample, d_sample(0));
+        let sent: Vec<PeerKey> = out
+            .drain()
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Send {
+                    to,
+                    msg: Message::Commit { .. },
+                } => Some(to),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sent, [PeerKey(2), PeerKey(3)]);
+        assert!(d.commit(&mut out, id, 50 * MS).is_none(), "at most once");
+        // The round trip sets the deadline once it exceeds the configured floor.
+        assert_eq!(d.microbatch_deadline(&t), t.microbatch_deadline);
+    }
+
+    #[test]
+    fn microbatches_are_dealt_in_proportion_and_all_of_them() {
+        // Equal weights: the first drivers in key order take the remainder.
+        assert_eq!(deal(8, &[1.0, 1.0, 1.0]), [3, 3, 2]);
+        assert_eq!(deal(8, &[3.0, 1.0]), [6, 2]);
+        // A driver 100 times slower gets what its speed is worth, possibly nothing.
+        assert_eq!(deal(8, &[100.0, 100.0, 1.0]), [4, 4, 0]);
+        assert_eq!(deal(64, &[100.0, 100.0, 1.0]), [32, 32, 0]);
+        assert_eq!(deal(201, &[100.0, 100.0, 1.0]), [100, 100, 1]);
+        for (items, weights) in [(7, vec![0.3, 0.3, 0.4]), (1000, vec![1e-9, 5.0, 7.5, 2.0])] {
+            assert_eq!(deal(items, &weights).iter().sum::<u64>(), items);
+        }
+        assert_eq!(deal(5, &[]), Vec::<u64>::new());
+        assert_eq!(deal(5, &[0.0, 0.0]), [0, 0]);
+    }
+
+    #[test]
+    fn a_drivers_share_follows_throughput_once_every_driver_is_measured() {
+        let p = |peer, stage, throughput| Placement {
+            peer: PeerKey(peer),
+            stage,
+            throughput,
+            memory: 0,
+        };
+        let swarm = [p(2, 0, 30.0), p(3, 1, 5.0)];
+        // 8 microbatches of 2 over drivers 1 (10/s) and 2 (30/s).
+        assert_eq!(share(&swarm, ME, 10.0, true, 16, 2), 4.0);
+        let with_me = [p(1, 0, 10.0), p(2, 0, 30.0), p(3, 1, 5.0)];
+        assert_eq!(share(&with_me, PeerKey(2), 30.0, true, 16, 2), 12.0);
+        // Unweighted, or a driver not measured yet: equal parts, the first key takes more.
+        assert_eq!(share(&swarm, ME, 10.0, false, 18, 2), 10.0);
+        assert_eq!(share(&swarm, ME, 0.0, true, 18, 2), 10.0);
+    }
+
+    #[test]
+    fn a_driver_keeps_the_round_trip_in_flight_within_memory() {
+        let p = |peer, stage, throughput, memory| Placement {
+            peer: PeerKey(peer),
+            stage,
+            throughput,
+            memory,
+        };
+        // Two stages of two replicas, each replica 100 samples/s; microbatches of 4 samples.
+        let costs = StageCosts {
+            flops_per_sample: vec![1.0; 2],
+            params: vec![10; 2],
+            activation_values: 1,
+            memory: vec![1000; 2],
+            microbatch_memory: vec![100; 2],
+        };
+        // Two drivers at stage 0; stage 1's replicas with this throughput, the first with this
+        // much memory.
+        let swarm = |second: f64, memory: u64| {
+            [
+                p(1, 0, 100.0, 0),
+                p(2, 0, 100.0, 0),
+                p(3, 1, second, memory),
+                p(4, 1, second, 0),
+            ]
+        };
+        let window = |placements: &[Placement], rtt: f64| {
+            driver_window(placements, &costs, (4, 16), rtt, 100.0, 4)
+        };
+        let unlimited = swarm(100.0, 0);
+        // A driver's share is 100 samples/s: a 20 ms round trip needs half a microbatch in
+        // flight (2 with the margin), a 100 ms one 2.5 (10), a second 25 (100).
+        assert_eq!(window(&unlimited, 0.02), 4);
+        assert_eq!(window(&unlimited, 0.1), 10);
+        assert_eq!(window(&unlimited, 1.0), 16);
+        // Nothing measured yet: the least window.
+        assert_eq!(window(&unlimited, f64::INFINITY), 4);
+        // A slow second stage takes less, so less is sent into the pipeline.
+        let slow = swarm(25.0, 0);
+        assert_eq!(window(&slow, 0.1), 4);
+        assert_eq!(window(&slow, 0.3), 8);
+        // A replica with room for 2 microbatches beyond the least window holds 6 in all; two
+        // drivers over two replicas may keep 6 each in flight.
+        assert_eq!(window(&swarm(100.0, 1200), 1.0), 6);
+        // Memory too small even for the least window does not stop the run.
+        assert_eq!(window(&swarm(100.0, 500), 1.0), 4);
+    }
+}

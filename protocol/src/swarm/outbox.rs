@@ -1,0 +1,62 @@
+//! What the parts of a peer ask of the world, in the order they ask it: messages to send and
+//! events to report (drained by the owner as [`Action`]s), and compute jobs, which wait in the
+//! device's [`Scheduler`] until the device is free.
+
+use super::PeerKey;
+use super::interface::{Action, Event, Job};
+use super::message::Message;
+use super::scheduler::Scheduler;
+use std::collections::VecDeque;
+
+/// The peer's outgoing actions and its job queue.
+#[derive(Debug)]
+pub(super) struct Outbox {
+    me: PeerKey,
+    actions: VecDeque<Action>,
+    /// Compute jobs waiting for the device.
+    pub jobs: Scheduler,
+}
+
+impl Outbox {
+    /// An empty outbox of peer `me`.
+    pub fn new(me: PeerKey) -> Self {
+        Outbox {
+            me,
+            actions: VecDeque::new(),
+            jobs: Scheduler::default(),
+        }
+    }
+
+    /// Sends `msg` to `to` (never to this peer itself).
+    pub fn send(&mut self, to: PeerKey, msg: Message) {
+        if to != self.me {
+            self.actions.push_back(Action::Send { to, msg });
+        }
+    }
+
+    /// Tells the owner something.
+    pub fn event(&mut self, e: Event) {
+        self.actions.push_back(Action::Event(e));
+    }
+
+    /// Queues a compute job.
+    pub fn compute(&mut self, job: Job) {
+        self.jobs.enqueue(job);
+    }
+
+    /// Hands an action to the owner as it is (gossip, a compute job the device starts now).
+    pub fn push(&mut self, action: Action) {
+        self.actions.push_back(action);
+    }
+
+    /// The next action for the owner.
+    pub fn pop(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    /// Takes every action out (tests look at what a part asked for).
+    #[cfg(test)]
+    pub fn drain(&mut self) -> Vec<Action> {
+        self.actions.drain(..).collect()
+    }
+}

@@ -1,0 +1,268 @@
+//! The microbatch path through a peer's parts: a driver starting microbatches, a forward
+//! pass arriving, its activations passed on to a replica of the next stage, the gradient
+//! coming back, and the commit. Each step is a call into the part that owns it (driver,
+//! stage server, step coordinator); what this file adds is the order of the calls and which
+//! part an attempt belongs to (the driver's own, or a hop for another driver).
+
+use super::Peer;
+use crate::swarm::PeerKey;
+use crate::swarm::driver;
+use crate::swarm::interface::{Event, Job, Output};
+use crate::swarm::membership::Routing;
+use crate::swarm::message::{Backward, Forward, MemberState, Message};
+use crate::swarm::server::{self, Arrival, ForwardHeader, PendingCommit, Serving};
+use std::time::Duration;
+
+impl Peer {
+    pub(super) fn activation_len(&self, rows: u32) -> usize {
+        self.costs.activation_values * rows as usize
+    }
+
+    /// How long a hop record lives: every attempt of its microbatch may have timed out.
+    pub(super) fn hop_lifetime(&self) -> Duration {
+        self.driver.microbatch_deadline(&self.timing) * (self.timing.max_attempts + 1)
+    }
+
+    /// What the stage server checks microbatches against.
+    pub(super) fn serving(&self) -> Serving {
+        Serving {
+            stage: self.role.serving(),
+            last: self.is_last_stage(),
+            round: self.allreduce().then(|| self.steps.round()),
+            microbatch: self.config.microbatch,
+            seq: self.config.seq,
+            activation_values: self.costs.activation_values,
+            hop_lifetime: self.hop_lifetime(),
+        }
+    }
+
+    pub(super) fn pipeline_ready(&self) -> bool {
+        self.stage_replicas().iter().all(|c| *c > 0)
+    }
+
+    pub(super) fn everyone_finished(&self) -> bool {
+        self.steps.finished()
+            && self
+                .members
+                .iter()
+                .filter(|(_, m)| m.announcement.state == MemberState::Serving)
+                .all(|(_, m)| m.announcement.finished)
+    }
+
+    /// Starts what the step needs, if this peer drives.
+    pub(super) fn pump(&mut self, now: Duration) {
+        self.driver.rest();
+        if self.everyone_finished() {
+            if !self.finish_reported {
+                self.finish_reported = true;
+                self.out.event(Event::Finished);
+            }
+            return;
+        }
+        if !self.is_driver() || !self.pipeline_ready() {
+            return;
+        }
+        let placements = self.measured_placements();
+        let own = self.out.jobs.throughput();
+        let c = &self.config;
+        let window = self
+            .driver
+            .window(&placements, &self.costs, &self.timing, own, c.microbatch);
+        let weighted = self.allreduce() && self.routing == Routing::Weighted;
+        let share = driver::share(
+            &placements,
+            self.me,
+            own,
+            weighted,
+            c.global_batch,
+            c.microbatch,
+        );
+        let demand = self
+            .steps
+            .demand(&self.members, share, self.server.commits_queued());
+        let rows = c.microbatch;
+        let started = self.driver.pump(
+            &mut self.out,
+            self.me,
+            &demand,
+            window,
+            rows,
+            &self.timing,
+            now,
+        );
+        if started && self.allreduce() {
+            self.send_progress();
+        }
+    }
+
+    pub(super) fn on_forward(&mut self, from: PeerKey, f: Forward, now: Duration) {
+        let at = self.serving();
+        if self.server.on_forward(&mut self.out, from, f, &at, now) == Arrival::Held {
+            self.maybe_begin_round(now);
+        }
+    }
+
+    /// Runs the held microbatches whose step this replica has reached.
+    pub(super) fn release_held_forwards(&mut self, now: Duration) {
+        for h in self.server.release_held_forwards(self.steps.round()) {
+            self.on_forward(h.from, h.forward, now);
+        }
+    }
+
+    pub(super) fn on_forward_done(
+        &mut self,
+        id: u64,
+        output: Output,
+        targets: Option<Vec<u32>>,
+        now: Duration,
+    ) {
+        let activations = match output {
+            Output::Activations(a) => a,
+            Output::Loss(loss) => {
+                // The last stage: the backward pass starts here.
+                let rows = if let Some(rows) = self.server.record_loss(id, loss) {
+                    rows
+                } else if let Some((sample, rows)) = self.driver.came_home_locally(self.me, id) {
+                    self.server.expect_commit(id, sample, rows, Some(loss));
+                    rows
+                } else {
+                    0
+                };
+                self.out.compute(Job::Backward {
+                    id,
+                    grad: None,
+                    rows,
+                });
+                return;
+            }
+        };
+        let own = self.driver.entry(id).map(|e| ForwardHeader {
+            route: vec![self.me],
+            rows: e.rows,
+            targets: Vec::new(),
+            sample: e.sample,
+            round: e.round,
+        });
+        let owned = own.is_some();
+        let header = match own {
+            Some(h) => Some(ForwardHeader {
+                targets: targets.unwrap_or_default(),
+                ..h
+            }),
+            None => self.server.forwarding(self.me, id, targets),
+        };
+        let Some(h) = header else {
+            // Aborted meanwhile.
+            self.out.compute(Job::Abort { id });
+            return;
+        };
+        let next_stage = self.role.stage().unwrap_or(0) + 1;
+        let avoid = self.driver.previous_hop(id);
+        let Some(next) = self
+            .members
+            .route(next_stage, avoid, self.routing, &mut self.rng)
+        else {
+            self.out.compute(Job::Abort { id });
+            if owned {
+                self.driver.fail(id, now);
+            } else {
+                self.server.reject(&mut self.out, id);
+            }
+            return;
+        };
+        let codec = self.config.codecs.activations;
+        let activations = self.server.encode(&mut self.out, codec, &activations);
+        if owned {
+            self.driver.sent(id, next);
+        } else {
+            self.server.sent(id, next);
+        }
+        self.out.send(
+            next,
+            Message::Forward(Forward {
+                id,
+                sample: h.sample,
+                round: h.round,
+                rows: h.rows,
+                route: h.route,
+                targets: h.targets,
+                activations,
+            }),
+        );
+    }
+
+    pub(super) fn on_backward(&mut self, from: PeerKey, b: Backward, now: Duration) {
+        let Some(stage) = self.role.serving() else {
+            return;
+        };
+        let Some(grad) = server::decode(&b.grad, self.activation_len(self.config.microbatch))
+        else {
+            self.out
+                .event(Event::Warning(format!("bad gradient from {from}")));
+            return;
+        };
+        if stage == 0 && self.driver.entry(b.id).is_some() {
+            let (id, values) = (b.id, grad.len());
+            let (stages, per_sample) = (self.config.stages, self.costs.activation_values);
+            let accepted = self.driver.came_home(
+                &mut self.out,
+                self.me,
+                id,
+                b.route,
+                values,
+                stages,
+                per_sample,
+            );
+            if let Some((sample, rows)) = accepted {
+                self.server.expect_commit(id, sample, rows, None);
+                self.out.compute(Job::Backward {
+                    id,
+                    grad: Some(grad),
+                    rows,
+                });
+            }
+            return;
+        }
+        let at = self.serving();
+        self.server
+            .on_backward(&mut self.out, from, b, grad, &at, now);
+    }
+
+    pub(super) fn on_backward_done(&mut self, id: u64, grad: Option<Vec<f32>>, now: Duration) {
+        if self.role.stage().unwrap_or(0) == 0 && self.driver.entry(id).is_some() {
+            match self.driver.commit(&mut self.out, id, now) {
+                Some(entry) => {
+                    let loss = self.server.pending_loss(id);
+                    self.server
+                        .expect_commit(id, entry.sample, entry.rows, loss);
+                    self.server.commit(&mut self.out, id);
+                }
+                None => self.out.compute(Job::Abort { id }),
+            }
+            return;
+        }
+        let at = self.serving();
+        let codec = self.config.codecs.activation_grads;
+        self.server
+            .on_backward_done(&mut self.out, self.me, id, grad, &at, codec, now);
+    }
+
+    pub(super) fn on_committed(&mut self, c: PendingCommit, now: Duration) {
+        self.steps.on_committed(c.rows, c.loss, now);
+        self.out.event(Event::Committed { sample: c.sample });
+        self.out.jobs.count_rows(c.rows);
+        self.send_progress();
+        self.maybe_begin_round(now);
+    }
+
+    /// Tells the stage's other replicas how far this one is toward the next round.
+    pub(super) fn send_progress(&mut self) {
+        let Some(stage) = self.role.stage() else {
+            return;
+        };
+        let in_flight = self.driver.in_flight() as f64 * f64::from(self.config.microbatch)
+            + self.server.commits_queued();
+        self.steps
+            .send_progress(&mut self.out, stage, &self.members, in_flight);
+    }
+}

@@ -1,0 +1,519 @@
+//! A peer's role in the run: choosing a stage, syncing its state, serving it, and moving to
+//! another stage when that helps the run more.
+//!
+//! A joiner listens to gossip for a moment, then takes the stage the run needs most that its
+//! memory holds; it downloads the stage's state from one of its replicas (or builds it fresh
+//! if there is none) and serves it. Every so often a serving peer asks whether some peer's
+//! move would raise the slowest stage's throughput enough to pay for a state transfer; if the
+//! best move is its own, it moves after a random back-off.
+
+use super::config::{StageCosts, Timing};
+use super::membership::{Membership, Move, Placement, choose_stage, plan_move};
+use super::message::{MemberState, StateChunk};
+use super::transfer::{Download, Downloaded, TransferError};
+use super::{PeerKey, SeededRng};
+use std::time::Duration;
+
+/// What the peer is doing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Phase {
+    /// Listening to gossip until then, before choosing a stage.
+    Choosing {
+        /// When to choose.
+        until: Duration,
+    },
+    /// Getting its stage's state.
+    Syncing {
+        /// From whom (None: building it fresh, or the source was lost).
+        source: Option<PeerKey>,
+        /// When to give up on the source and try another.
+        deadline: Duration,
+    },
+    /// Serving its stage.
+    Serving,
+}
+
+/// What a state chunk did.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum ChunkOutcome {
+    /// Nothing yet (or not a chunk this peer waits for).
+    Pending,
+    /// The whole state arrived and checked out.
+    Complete(Downloaded),
+    /// The transfer failed; the source is not to be trusted with it.
+    Failed(TransferError),
+}
+
+/// A peer's role.
+#[derive(Debug)]
+pub(super) struct Role {
+    phase: Phase,
+    stage: Option<u32>,
+    download: Option<Download>,
+    /// When to consider rebalancing next.
+    next_rebalance: Duration,
+    /// When to make the move planned after a back-off.
+    move_at: Option<Duration>,
+    /// State downloads completed (joins and re-syncs).
+    pub state_transfers: u64,
+    /// Stage moves made.
+    pub moves: u64,
+}
+
+impl Role {
+    /// A joiner that chooses after listening for `timing.choose_after`.
+    pub fn joining(timing: &Timing, now: Duration) -> Self {
+        Role {
+            phase: Phase::Choosing {
+                until: now + timing.choose_after,
+            },
+            stage: None,
+            download: None,
+            next_rebalance: now + timing.rebalance_every,
+            move_at: None,
+            state_transfers: 0,
+            moves: 0,
+        }
+    }
+
+    /// Serving `stage` from the start (restored from a checkpoint).
+    pub fn resume(&mut self, stage: u32) {
+        self.phase = Phase::Serving;
+        self.stage = Some(stage);
+    }
+
+    /// What the peer is doing.
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+
+    /// The stage served or being synced.
+    pub fn stage(&self) -> Option<u32> {
+        self.stage
+    }
+
+    /// The stage, if it is being served now.
+    pub fn serving(&self) -> Option<u32> {
+        self.stage.filter(|_| self.phase == Phase::Serving)
+    }
+
+    /// How the peer announces itself: its stage and state.
+    pub fn announced(&self) -> (Option<u32>, MemberState) {
+        match self.phase {
+            Phase::Choosing { .. } => (None, MemberState::Choosing),
+            Phase::Syncing { .. } => (self.stage, MemberState::Syncing),
+            Phase::Serving => (self.stage, MemberState::Serving),
+        }
+    }
+
+    /// The earliest of the role's deadlines.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        let phase = match self.phase {
+            Phase::Choosing { until } => Some(until),
+            Phase::Syncing { deadline, .. } => Some(deadline),
+            Phase::Serving => None,
+        };
+        [Some(self.next_rebalance), phase, self.move_at]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// No stage fits this peer: look again after `wait`.
+    pub fn choose_again(&mut self, now: Duration, wait: Duration) {
+        self.phase = Phase::Choosing { until: now + wait };
+    }
+
+    /// Starts getting `stage`'s state: from `source` (a download of at most `max_bytes`), or
+    /// fresh from the run's seed; either must be done by `deadline`.
+    pub fn sync(
+        &mut self,
+        stage: u32,
+        source: Option<PeerKey>,
+        max_bytes: usize,
+        deadline: Duration,
+    ) {
+        self.stage = Some(stage);
+        self.phase = Phase::Syncing { source, deadline };
+        self.download = source.map(|_| Download::new(stage, max_bytes));
+    }
+
+    /// A peer is gone: if it was the source of the download, try another one now.
+    pub fn source_lost(&mut self, peer: PeerKey, now: Duration) {
+        if let Phase::Syncing { source, deadline } = &mut self.phase {
+            if *source == Some(peer) {
+                *source = None;
+                *deadline = now;
+            }
+        }
+    }
+
+    /// A chunk of state from `from`: only the source of the download in progress is heard.
+    /// Once complete, the state is built (the deadline starts again for that).
+    pub fn on_chunk(
+        &mut self,
+        from: PeerKey,
+        chunk: StateChunk,
+        timing: &Timing,
+        now: Duration,
+    ) -> ChunkOutcome {
+        let Phase::Syncing {
+            source: Some(source),
+            ..
+        } = self.phase
+        else {
+            return ChunkOutcome::Pending;
+        };
+        if from != source {
+            return ChunkOutcome::Pending;
+        }
+        let Some(d) = self.download.as_mut() else {
+            return ChunkOutcome::Pending;
+        };
+        match d.add(chunk) {
+            Ok(None) => ChunkOutcome::Pending,
+            Ok(Some(done)) => {
+                self.download = None;
+                self.state_transfers += 1;
+                self.phase = Phase::Syncing {
+                    source: Some(source),
+                    deadline: now + timing.transfer_timeout,
+                };
+                ChunkOutcome::Complete(done)
+            }
+            Err(e) => ChunkOutcome::Failed(e),
+        }
+    }
+
+    /// The stage's state is built: serving it. Returns the stage and where its state came
+    /// from (None if not syncing).
+    pub fn serve(&mut self) -> Option<(u32, Option<PeerKey>)> {
+        let Phase::Syncing { source, .. } = self.phase else {
+            return None;
+        };
+        let stage = self.stage?;
+        self.phase = Phase::Serving;
+        Some((stage, source))
+    }
+
+    /// Rebalancing: at every `timing.rebalance_every`, the move that most raises the slowest
+    /// stage's throughput (see [`plan_move`]) is looked for among the measured `placements`;
+    /// if it is this peer's, it is made after a random back-off of up to half the period
+    /// (peers that all see the same imbalance must not all move), if it is still the best
+    /// move then. Returns the move to make now.
+    #[allow(clippy::too_many_arguments)]
+    pub fn consider_move(
+        &mut self,
+        me: PeerKey,
+        placements: &[Placement],
+        costs: &StageCosts,
+        timing: &Timing,
+        busy: bool,
+        rng: &mut SeededRng,
+        now: Duration,
+    ) -> Option<Move> {
+        if now >= self.next_rebalance {
+            self.next_rebalance = now + timing.rebalance_every;
+            self.plan(me, placements, costs, timing, busy, rng, now, false);
+        }
+        if self.move_at.is_some_and(|t| now >= t) {
+            self.move_at = None;
+            return self.plan(me, placements, costs, timing, busy, rng, now, true);
+        }
+        None
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn plan(
+        &mut self,
+        me: PeerKey,
+        placements: &[Placement],
+        costs: &StageCosts,
+        timing: &Timing,
+        busy: bool,
+        rng: &mut SeededRng,
+        now: Duration,
+        act: bool,
+    ) -> Option<Move> {
+        if self.phase != Phase::Serving || busy {
+            return None;
+        }
+        let m = plan_move(
+            placements,
+            &costs.flops_per_sample,
+            &costs.memory,
+            timing.rebalance_gain,
+        )
+        .filter(|m| m.peer == me)?;
+        if !act {
+            let wait = timing.rebalance_every.as_secs_f64() * 0.5 * rng.next_f64();
+            self.move_at = Some(now + Duration::from_secs_f64(wait));
+            return None;
+        }
+        self.moves += 1;
+        Some(m)
+    }
+}
+
+/// Every peer's stage and throughput, as known from `members` (serving or syncing), and this
+/// peer's own (`me`: serving, with its measured throughput), if given. With `estimate`, a
+/// peer not measured yet (it just joined) counts as the mean of its stage's measured
+/// replicas, or of all measured peers, so that joiners arriving together spread out instead
+/// of all picking the same stage; without, only measurements count (rebalancing).
+pub(super) fn placements(
+    members: &Membership,
+    me: Option<Placement>,
+    stages: u32,
+    estimate: bool,
+) -> Vec<Placement> {
+    let mut out: Vec<Placement> = members
+        .iter()
+        .filter(|(_, m)| {
+            matches!(
+                m.announcement.state,
+                MemberState::Serving | MemberState::Syncing
+            )
+        })
+        .filter_map(|(k, m)| {
+            m.announcement.stage.map(|stage| Placement {
+                peer: *k,
+                stage,
+                throughput: f64::from(m.announcement.throughput),
+                memory: m.announcement.memory,
+            })
+        })
+        .collect();
+    out.extend(me);
+    if !estimate {
+        return out;
+    }
+    let overall = mean(out.iter().map(|p| p.throughput).filter(|t| *t > 0.0));
+    let per_stage: Vec<Option<f64>> = (0..stages)
+        .map(|s| {
+            mean(
+                out.iter()
+                    .filter(|p| p.stage == s && p.throughput > 0.0)
+                    .map(|p| p.throughput),
+            )
+        })
+        .collect();
+    for p in &mut out {
+        if p.throughput <= 0.0 {
+            p.throughput = per_stage
+                .get(p.stage as usize)
+                .copied()
+                .flatten()
+                .or(overall)
+                .unwrap_or(0.0);
+        }
+    }
+    out
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let (sum, n) = values.fold((0.0, 0), |(s, n), t| (s + t, n + 1));
+    (n > 0).then(|| sum / f64::from(n))
+}
+
+/// The stage `me` takes. Peers that start together would all see the same bottleneck and
+/// pick it together, so every peer choosing now plays out the same assignment of all
+/// `choosers` (key and memory) in key order, each counted at the throughput its stage's
+/// replicas measure, and takes its own slot. None if no stage fits its memory.
+pub(super) fn choose(
+    mut placements: Vec<Placement>,
+    mut choosers: Vec<(PeerKey, u64)>,
+    need: &[u64],
+    me: PeerKey,
+) -> Option<u32> {
+    choosers.sort_unstable();
+    for (peer, memory) in choosers {
+        let stage = choose_stage(&placements, need, memory);
+        if peer == me {
+            return stage;
+        }
+        if let Some(stage) = stage {
+            let measured = |only: Option<u32>| {
+                mean(
+                    placements
+                        .iter()
+                        .filter(|p| p.throughput > 0.0 && only.is_none_or(|s| p.stage == s))
+                        .map(|p| p.throughput),
+                )
+            };
+            let throughput = measured(Some(stage)).or(measured(None)).unwrap_or(0.0);
+            placements.push(Placement {
+                peer,
+                stage,
+                throughput,
+                memory,
+            });
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::swarm::message::Announcement;
+    use crate::swarm::transfer::chunks;
+
+    const MS: Duration = Duration::from_millis(1);
+    const ME: PeerKey = PeerKey(5);
+
+    fn timing() -> Timing {
+        Timing {
+            choose_after: 100 * MS,
+            rebalance_every: Duration::from_secs(10),
+            rebalance_gain: 0.25,
+            transfer_timeout: Duration::from_secs(2),
+            ..Timing::default()
+        }
+    }
+
+    fn costs(stages: usize) -> StageCosts {
+        StageCosts {
+            flops_per_sample: vec![1.0; stages],
+            params: vec![4; stages],
+            activation_values: 1,
+            memory: vec![0; stages],
+            microbatch_memory: vec![0; stages],
+        }
+    }
+
+    fn place(peer: u64, stage: u32, throughput: f64) -> Placement {
+        Placement {
+            peer: PeerKey(peer),
+            stage,
+            throughput,
+            memory: 0,
+        }
+    }
+
+    #[test]
+    fn joiners_that_choose_together_spread_over_the_stages() {
+        // Three peers join an empty run of three stages at once: each plays out the same
+        // assignment and takes its own slot.
+        let choosers = vec![(PeerKey(3), 0), (PeerKey(1), 0), (PeerKey(2), 0)];
+        let picks: Vec<Option<u32>> = [1, 2, 3]
+            .iter()
+            .map(|k| choose(Vec::new(), choosers.clone(), &[0; 3], PeerKey(*k)))
+            .collect();
+        assert_eq!(picks, [Some(0), Some(1), Some(2)]);
+        // With every stage served, the slowest stage is taken.
+        let served = vec![place(7, 0, 10.0), place(8, 1, 2.0), place(9, 2, 10.0)];
+        assert_eq!(choose(served.clone(), vec![(ME, 0)], &[0; 3], ME), Some(1));
+        // A second joiner counts the first at stage 1's measured speed: then stage 1 holds
+        // 4/s, still the slowest, so both go there.
+        let both = vec![(PeerKey(4), 0), (ME, 0)];
+        assert_eq!(choose(served, both, &[0; 3], ME), Some(1));
+        // No stage fits: none.
+        assert_eq!(choose(Vec::new(), vec![(ME, 10)], &[20; 3], ME), None);
+    }
+
+    #[test]
+    fn a_peer_not_measured_yet_counts_as_its_stage_mean_when_choosing() {
+        let mut m = Membership::default();
+        let a = |stage, throughput| Announcement {
+            stage: Some(stage),
+            state: MemberState::Serving,
+            throughput,
+            queue: 0,
+            step: 0,
+            round: 0,
+            params_hash: None,
+            finished: false,
+            loss: None,
+            memory: 0,
+            incarnation: 1,
+            seq: 1,
+        };
+        m.update(PeerKey(1), a(0, 10.0), Duration::ZERO);
+        m.update(PeerKey(2), a(0, 0.0), Duration::ZERO);
+        m.update(PeerKey(3), a(1, 4.0), Duration::ZERO);
+        let estimated = placements(&m, None, 2, true);
+        assert_eq!(estimated[1].throughput, 10.0);
+        let measured = placements(&m, Some(place(5, 1, 1.0)), 2, false);
+        assert_eq!(measured.len(), 4);
+        assert_eq!(measured[1].throughput, 0.0);
+    }
+
+    #[test]
+    fn a_download_is_heard_from_its_source_only_and_then_served() {
+        let t = timing();
+        let mut r = Role::joining(&t, Duration::ZERO);
+        assert_eq!(r.next_timeout(), Some(100 * MS));
+        r.sync(1, Some(PeerKey(9)), 1 << 20, t.transfer_timeout);
+        assert_eq!(r.announced(), (Some(1), MemberState::Syncing));
+        let state = vec![7u8; 100];
+        let chunk = chunks(1, 4, 4, &state).remove(0);
+        assert_eq!(
+            r.on_chunk(PeerKey(8), chunk.clone(), &t, MS),
+            ChunkOutcome::Pending
+        );
+        let ChunkOutcome::Complete(done) = r.on_chunk(PeerKey(9), chunk, &t, MS) else {
+            panic!("complete");
+        };
+        assert_eq!((done.step, done.bytes.len()), (4, 100));
+        assert_eq!(r.next_timeout(), Some(MS + t.transfer_timeout));
+        assert_eq!(r.serve(), Some((1, Some(PeerKey(9)))));
+        assert_eq!(r.serving(), Some(1));
+        assert_eq!(r.state_transfers, 1);
+        // A chunk of the wrong stage fails the transfer.
+        r.sync(0, Some(PeerKey(9)), 1 << 20, t.transfer_timeout);
+        let wrong = chunks(1, 4, 4, &state).remove(0);
+        assert!(matches!(
+            r.on_chunk(PeerKey(9), wrong, &t, MS),
+            ChunkOutcome::Failed(_)
+        ));
+        // A lost source: try another one at once.
+        r.source_lost(PeerKey(9), 3 * MS);
+        assert_eq!(r.next_timeout(), Some(3 * MS));
+    }
+
+    /// Rebalancing: the peer whose move helps most plans it, waits a random part of half a
+    /// period, and moves if it is still the best move; a move that helps too little, or a
+    /// peer in a round, does not move.
+    #[test]
+    fn the_best_mover_moves_after_a_back_off() {
+        let t = timing();
+        let c = costs(2);
+        let mut rng = SeededRng::new(1);
+        // Stage 0 has three fast replicas, stage 1 one slow one: the fastest of stage 0
+        // with the smallest key (this peer) should move.
+        let swarm = [
+            place(5, 0, 10.0),
+            place(6, 0, 10.0),
+            place(7, 0, 10.0),
+            place(8, 1, 2.0),
+        ];
+        let mut r = Role::joining(&t, Duration::ZERO);
+        r.resume(0);
+        let first = t.rebalance_every;
+        assert_eq!(
+            r.consider_move(ME, &swarm, &c, &t, false, &mut rng, first),
+            None
+        );
+        let at = r.move_at.expect("a move is planned");
+        assert!(at >= first && at <= first + t.rebalance_every / 2);
+        assert_eq!(r.next_timeout(), Some(at));
+        let m = r
+            .consider_move(ME, &swarm, &c, &t, false, &mut rng, at)
+            .expect("moves");
+        assert_eq!((m.from, m.to), (0, 1));
+        assert_eq!(r.moves, 1);
+        // Another peer's move, a small gain, or a round under way: nothing.
+        let mut r = Role::joining(&t, Duration::ZERO);
+        r.resume(0);
+        assert_eq!(
+            r.consider_move(PeerKey(6), &swarm, &c, &t, false, &mut rng, first),
+            None
+        );
+        assert_eq!(r.move_at, None);
+        let balanced = [place(5, 0, 10.0), place(6, 0, 10.0), place(8, 1, 16.0)];
+        r.consider_move(ME, &balanced, &c, &t, false, &mut rng, 2 * first);
+        assert_eq!(r.move_at, None);
+        r.consider_move(ME, &swarm, &c, &t, true, &mut rng, 3 * first);
+        assert_eq!(r.move_at, None);
+    }
+}

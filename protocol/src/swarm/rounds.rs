@@ -1,0 +1,443 @@
+//! Which averaging round a replica is in: starting one, joining one that another replica
+//! started, and keeping invitations that arrive before this replica is ready.
+//!
+//! One [`Round`] runs the exchange itself; this part decides who leads (the smallest key
+//! among the replicas a member knows), answers the messages of the round that just finished
+//! (a slower member may still ask for parts), and joins the round another replica started
+//! before this one noticed the step was complete.
+
+use super::PeerKey;
+use super::averaging::{Round, RoundOut};
+use super::config::Timing;
+use super::message::{Message, RoundKey, RoundMsg};
+use super::outbox::Outbox;
+use crate::Codec;
+use std::time::Duration;
+
+/// Invitations to a next round kept while the current one finishes, at most.
+pub(super) const MAX_EARLY_JOINS: usize = 256;
+
+/// The averaging rounds of one replica.
+#[derive(Debug)]
+pub(super) struct Rounds {
+    me: PeerKey,
+    codec: Codec,
+    timing: Timing,
+    current: Option<Round>,
+    /// The round finished last, to answer members still exchanging.
+    last: Option<Round>,
+    /// Joins of the next round that came before this replica was ready for it.
+    early_joins: Vec<(RoundKey, PeerKey)>,
+}
+
+impl Rounds {
+    /// No round yet; rounds encode with `codec`.
+    pub fn new(me: PeerKey, codec: Codec, timing: Timing) -> Self {
+        Rounds {
+            me,
+            codec,
+            timing,
+            current: None,
+            last: None,
+            early_joins: Vec::new(),
+        }
+    }
+
+    /// Whether a round is under way (or its result not yet applied).
+    pub fn active(&self) -> bool {
+        self.current.is_some()
+    }
+
+    /// Whether this replica's contribution to the current round is taken: new samples count
+    /// toward the next round.
+    pub fn contributed(&self) -> bool {
+        self.current.as_ref().is_some_and(Round::contributed)
+    }
+
+    /// When the current round needs [`Rounds::handle_timeout`].
+    pub fn deadline(&self) -> Option<Duration> {
+        self.current.as_ref().and_then(Round::deadline)
+    }
+
+    /// Starts round `key` with the replicas this one knows of (`others`), led by the smallest
+    /// key. A leader takes in the joins that came early.
+    pub fn begin(&mut self, key: RoundKey, others: &[PeerKey], len: usize, now: Duration) {
+        let leader = others
+            .iter()
+            .copied()
+            .chain([self.me])
+            .min()
+            .unwrap_or(self.me);
+        let round = if leader == self.me {
+            let mut r = Round::lead(key, self.me, others, len, self.codec, self.timing, now);
+            for (k, from) in std::mem::take(&mut self.early_joins) {
+                if k == key {
+                    r.handle(from, RoundMsg::Join, now);
+                }
+            }
+            r
+        } else {
+            Round::follow(key, self.me, leader, len, self.codec, self.timing, now)
+        };
+        self.current = Some(round);
+    }
+
+    fn follow(&mut self, key: RoundKey, leader: PeerKey, len: usize, now: Duration) {
+        self.current = Some(Round::follow(
+            key,
+            self.me,
+            leader,
+            len,
+            self.codec,
+            self.timing,
+            now,
+        ));
+    }
+
+    /// Early joins: a replica that finished round `round - 1` sooner may already have invited
+    /// this one to round `round`. Follows the invitation of a leader with a smaller key, if
+    /// one came; returns whether it did. Invitations to rounds already past are forgotten.
+    pub fn follow_early_invitation(&mut self, key: RoundKey, len: usize, now: Duration) -> bool {
+        self.early_joins.retain(|(k, _)| k.index >= key.index);
+        let invite = self
+            .early_joins
+            .iter()
+            .find(|(k, from)| *k == key && *from < self.me)
+            .copied();
+        let Some((key, from)) = invite else {
+            return false;
+        };
+        self.early_joins
+            .retain(|(k, f)| !(k.index == key.index && *f == from));
+        self.follow(key, from, len, now);
+        true
+    }
+
+    /// A round message from another replica of this stage, which has completed `round`
+    /// rounds and knows `replicas`. Messages of the current or the last round go to it; a
+    /// join of the next round is kept for later; a message of this replica's next round that
+    /// another replica started first makes it join that round: following the sender if it
+    /// is the leader (a join from a smaller key, a start), leading if this one has the
+    /// smallest key, following the smallest key it knows otherwise (a part that arrives
+    /// before the start). A replica that is finished takes part in no new round.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_message(
+        &mut self,
+        out: &mut Outbox,
+        from: PeerKey,
+        key: RoundKey,
+        msg: RoundMsg,
+        round: u64,
+        finished: bool,
+        replicas: Vec<PeerKey>,
+        len: usize,
+        now: Duration,
+    ) {
+        for r in [self.current.as_mut(), self.last.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            if r.key() == key {
+                r.handle(from, msg, now);
+                return;
+            }
+        }
+        let active = self.current.is_some();
+        if msg == RoundMsg::Join
+            && key.index > round.saturating_sub(1)
+            && (active || key.index != round)
+            && key.index <= round + 1
+            && self.early_joins.len() < MAX_EARLY_JOINS
+        {
+            self.early_joins.push((key, from));
+            return;
+        }
+        if active || key.index != round || finished {
+            return;
+        }
+        match msg {
+            RoundMsg::Join => {
+                let mut others = replicas;
+                if !others.contains(&from) {
+                    others.push(from);
+                }
+                let leader = others.iter().copied().chain([self.me]).min();
+                if leader == Some(self.me) {
+                    self.begin(key, &others, len, now);
+                    if let Some(r) = self.current.as_mut() {
+                        r.handle(from, RoundMsg::Join, now);
+                    }
+                } else if from < self.me {
+                    self.follow(key, from, len, now);
+                }
+            }
+            RoundMsg::Start { .. } => {
+                self.follow(key, from, len, now);
+                if let Some(r) = self.current.as_mut() {
+                    // The leader already counted this replica out if it did not join: drop
+                    // the join.
+                    while r.poll().is_some() {}
+                    r.handle(from, msg, now);
+                }
+            }
+            RoundMsg::Part { .. } | RoundMsg::Averaged { .. } => {
+                let leader = replicas
+                    .iter()
+                    .copied()
+                    .chain([self.me])
+                    .min()
+                    .unwrap_or(from);
+                self.follow(key, leader, len, now);
+                if let Some(r) = self.current.as_mut() {
+                    r.handle(from, msg, now);
+                }
+            }
+            RoundMsg::Request { part } => out.send(
+                from,
+                Message::Round {
+                    key,
+                    msg: RoundMsg::Missing { part },
+                },
+            ),
+            RoundMsg::Missing { .. } => {}
+        }
+    }
+
+    /// Time passed.
+    pub fn handle_timeout(&mut self, now: Duration) {
+        if let Some(r) = self.current.as_mut() {
+            r.handle_timeout(now);
+        }
+    }
+
+    /// What the current round wants done next.
+    pub fn poll(&mut self) -> Option<(RoundKey, RoundOut)> {
+        let r = self.current.as_mut()?;
+        let key = r.key();
+        r.poll().map(|out| (key, out))
+    }
+
+    /// This replica's contribution to the current round.
+    pub fn contribute(&mut self, values: &[f32], samples: f64, loss: Option<f64>, now: Duration) {
+        if let Some(r) = self.current.as_mut() {
+            r.contribute(values, samples, loss, now);
+        }
+    }
+
+    /// The current round failed for this replica.
+    pub fn fail(&mut self) {
+        self.current = None;
+    }
+
+    /// The current round's result is applied: it stays to answer slower members.
+    pub fn finish(&mut self) {
+        if let Some(r) = self.current.take() {
+            self.last = Some(r);
+        }
+    }
+
+    /// Forgets every round (the replica leaves its stage); returns the current one's key.
+    pub fn abandon(&mut self) -> Option<RoundKey> {
+        self.last = None;
+        self.early_joins.clear();
+        self.current.take().map(|r| r.key())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::swarm::peer::Action;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    fn key(index: u64) -> RoundKey {
+        RoundKey { stage: 1, index }
+    }
+
+    fn rounds(me: u64) -> Rounds {
+        Rounds::new(
+            PeerKey(me),
+            Codec::Fp32,
+            Timing {
+                join_window: 100 * MS,
+                ..Timing::default()
+            },
+        )
+    }
+
+    /// Messages the current round sends, in order.
+    fn sent(r: &mut Rounds) -> Vec<(PeerKey, RoundMsg)> {
+        let mut out = Vec::new();
+        while let Some((_, o)) = r.poll() {
+            if let RoundOut::Send(to, msg) = o {
+                out.push((to, msg));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_smallest_key_leads_and_invites_the_others() {
+        let mut r = rounds(2);
+        r.begin(key(0), &[PeerKey(3), PeerKey(4)], 8, Duration::ZERO);
+        assert_eq!(
+            sent(&mut r),
+            [(PeerKey(3), RoundMsg::Join), (PeerKey(4), RoundMsg::Join)]
+        );
+        let mut r = rounds(3);
+        r.begin(key(0), &[PeerKey(2), PeerKey(4)], 8, Duration::ZERO);
+        assert_eq!(sent(&mut r), [(PeerKey(2), RoundMsg::Join)], "follows 2");
+    }
+
+    /// Early joins: a join of the next round that arrives while this replica still averages
+    /// (or has not finished the step) is kept; the leader counts it in when it starts that
+    /// round, and a follower follows the invitation of a smaller key.
+    #[test]
+    fn a_join_that_comes_early_is_kept_for_the_next_round() {
+        let mut out = Outbox::new(PeerKey(2));
+        let mut r = rounds(2);
+        r.begin(key(0), &[PeerKey(3)], 8, Duration::ZERO);
+        sent(&mut r);
+        r.on_message(
+            &mut out,
+            PeerKey(3),
+            key(1),
+            RoundMsg::Join,
+            0,
+            false,
+            vec![PeerKey(3)],
+            8,
+            MS,
+        );
+        r.finish();
+        // As leader of round 1 it starts at once: everyone it expects already joined.
+        r.begin(key(1), &[PeerKey(3)], 8, 2 * MS);
+        let start = sent(&mut r);
+        assert!(
+            start.contains(&(
+                PeerKey(3),
+                RoundMsg::Start {
+                    group: vec![PeerKey(2), PeerKey(3)]
+                }
+            )),
+            "{start:?}"
+        );
+        // A follower: the invitation of the smaller key to round 1 is followed.
+        let mut r = rounds(5);
+        r.on_message(
+            &mut out,
+            PeerKey(3),
+            key(1),
+            RoundMsg::Join,
+            0,
+            false,
+            vec![PeerKey(3)],
+            8,
+            MS,
+        );
+        assert!(!r.follow_early_invitation(key(0), 8, MS), "not for round 0");
+        assert!(r.follow_early_invitation(key(1), 8, MS));
+        assert_eq!(sent(&mut r), [(PeerKey(3), RoundMsg::Join)]);
+        // Invitations to rounds long past are not kept.
+        let mut r = rounds(5);
+        r.on_message(
+            &mut out,
+            PeerKey(3),
+            key(1),
+            RoundMsg::Join,
+            4,
+            false,
+            vec![PeerKey(3)],
+            8,
+            MS,
+        );
+        assert!(!r.active());
+        assert!(!r.follow_early_invitation(key(1), 8, MS));
+    }
+
+    #[test]
+    fn a_round_another_replica_started_first_is_joined() {
+        let mut out = Outbox::new(PeerKey(5));
+        // A start from the leader: follow it.
+        let mut r = rounds(5);
+        let start = RoundMsg::Start {
+            group: vec![PeerKey(3), PeerKey(5)],
+        };
+        r.on_message(
+            &mut out,
+            PeerKey(3),
+            key(2),
+            start,
+            2,
+            false,
+            vec![PeerKey(3)],
+            8,
+            MS,
+        );
+        assert!(r.active());
+        // The round then wants this replica's contribution.
+        assert!(matches!(r.poll(), Some((_, RoundOut::NeedContribution))));
+        // A join from a larger key to a replica with the smallest: it leads.
+        let mut r = rounds(1);
+        r.on_message(
+            &mut out,
+            PeerKey(3),
+            key(2),
+            RoundMsg::Join,
+            2,
+            false,
+            vec![PeerKey(3)],
+            8,
+            MS,
+        );
+        assert!(r.active());
+        // A finished replica joins nothing; a request for a round it does not have is
+        // answered "missing".
+        let mut r = rounds(1);
+        r.on_message(
+            &mut out,
+            PeerKey(3),
+            key(2),
+            RoundMsg::Join,
+            2,
+            true,
+            vec![PeerKey(3)],
+            8,
+            MS,
+        );
+        assert!(!r.active());
+        r.on_message(
+            &mut out,
+            PeerKey(3),
+            key(2),
+            RoundMsg::Request { part: 1 },
+            2,
+            true,
+            vec![],
+            8,
+            MS,
+        );
+        r.on_message(
+            &mut out,
+            PeerKey(3),
+            key(2),
+            RoundMsg::Request { part: 1 },
+            2,
+            false,
+            vec![],
+            8,
+            MS,
+        );
+        assert_eq!(
+            out.drain(),
+            [Action::Send {
+                to: PeerKey(3),
+                msg: Message::Round {
+                    key: key(2),
+                    msg: RoundMsg::Missing { part: 1 }
+                }
+            }]
+        );
+    }
+}

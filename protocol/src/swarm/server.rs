@@ -1,0 +1,689 @@
+//! The stage server: the microbatch work a replica does for the drivers of the run.
+//!
+//! A forward pass arrives from the previous stage; the server checks it against the run's
+//! shape, holds it if it belongs to a step this replica has not reached, runs it, passes the
+//! activations on (the peer picks the next replica) and keeps a [`Hop`] record until the
+//! gradient comes back, runs the backward pass and sends the gradient of its input back along
+//! the route. The parameter gradient stays pending until the driver commits the attempt.
+//! Records that outlive every attempt of their microbatch are dropped.
+//!
+//! The driver's own microbatches run on the same replica; the server keeps their pending
+//! commits too, so that every commit of the stage goes through one place.
+
+use super::PeerKey;
+use super::interface::{Event, Input, Job};
+use super::message::{Backward, Forward, Message};
+use super::outbox::Outbox;
+use crate::{Codec, Decoder, Encoder};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Forwards of later steps a replica holds at most (each is a microbatch's activations).
+pub(super) const MAX_HELD_FORWARDS: usize = 256;
+
+/// A microbatch attempt this replica computes for a driver.
+#[derive(Clone, Debug)]
+pub(super) struct Hop {
+    sample: u64,
+    round: u64,
+    route: Vec<PeerKey>,
+    rows: u32,
+    /// Next-token targets to carry on (empty at the last stage, which used them).
+    targets: Vec<u32>,
+    /// Where its activations went.
+    next: Option<PeerKey>,
+    backward_done: bool,
+    loss: Option<f32>,
+    /// When the record is dropped if the driver neither commits nor aborts it.
+    expires: Duration,
+}
+
+/// An attempt whose gradient waits for (or is in) its commit job.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct PendingCommit {
+    /// The microbatch's first sample.
+    pub sample: u64,
+    /// Samples in it.
+    pub rows: u32,
+    /// Its loss (last stage).
+    pub loss: Option<f32>,
+}
+
+/// A forward pass held until this replica reaches its step.
+#[derive(Clone, Debug)]
+pub(super) struct HeldForward {
+    /// Who sent it.
+    pub from: PeerKey,
+    /// The message.
+    pub forward: Forward,
+    /// When it arrived.
+    pub at: Duration,
+}
+
+/// What a microbatch's activations carry to the next stage besides the values.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct ForwardHeader {
+    /// The peers it passed, driver first, this one last.
+    pub route: Vec<PeerKey>,
+    /// Samples in it.
+    pub rows: u32,
+    /// Next-token targets, for the last stage.
+    pub targets: Vec<u32>,
+    /// Its first sample.
+    pub sample: u64,
+    /// The round it counts toward.
+    pub round: u64,
+}
+
+/// What became of an incoming forward pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Arrival {
+    /// Its forward pass is queued.
+    Running,
+    /// It belongs to a later step; it waits here.
+    Held,
+    /// Refused; its driver was told.
+    Rejected,
+}
+
+/// Where this replica stands, as the checks of an incoming microbatch need it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Serving {
+    /// The stage served, if serving.
+    pub stage: Option<u32>,
+    /// The last stage of the pipeline.
+    pub last: bool,
+    /// Steps taken (microbatches of later steps are held), in allreduce mode; None in
+    /// DiLoCo, where every replica steps on its own.
+    pub round: Option<u64>,
+    /// Samples in the largest microbatch.
+    pub microbatch: u32,
+    /// Tokens per sample.
+    pub seq: u32,
+    /// Activation values per sample at a stage boundary.
+    pub activation_values: usize,
+    /// How long a record lives without news from its driver.
+    pub hop_lifetime: Duration,
+}
+
+/// The replica's microbatch work for others, and its pending commits.
+#[derive(Debug, Default)]
+pub(super) struct StageServer {
+    hops: BTreeMap<u64, Hop>,
+    committing: BTreeMap<u64, PendingCommit>,
+    /// Samples in commit jobs queued and not yet done.
+    commits_queued: f64,
+    held_forwards: Vec<HeldForward>,
+    encoder: Encoder,
+}
+
+/// Decodes a tensor of at most `max` values; None if it is malformed.
+pub(super) fn decode(bytes: &[u8], max: usize) -> Option<Vec<f32>> {
+    let mut values = Vec::new();
+    Decoder::with_max_elements(max)
+        .decode(bytes, &mut values)
+        .ok()
+        .map(|_| values)
+}
+
+impl StageServer {
+    /// Samples in commit jobs queued and not yet done.
+    pub fn commits_queued(&self) -> f64 {
+        self.commits_queued
+    }
+
+    /// When the next record expires.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        self.hops.values().map(|h| h.expires).min()
+    }
+
+    /// The earliest arrival of a held forward pass of a step after `round`: evidence that
+    /// the drivers have moved on.
+    pub fn next_step_waiting_since(&self, round: u64) -> Option<Duration> {
+        self.held_forwards
+            .iter()
+            .filter(|h| h.forward.round > round)
+            .map(|h| h.at)
+            .min()
+    }
+
+    /// A forward pass arrived. It must come from the last peer of its route, for this stage
+    /// (its route's length), with a sane size and a fresh attempt id; otherwise its driver is
+    /// told at once so it retries elsewhere. One of a later step waits (at most
+    /// [`MAX_HELD_FORWARDS`]) until this replica took the steps before it, so that its gradient
+    /// is computed on the parameters it will update (a gradient a step stale costs accuracy).
+    pub fn on_forward(
+        &mut self,
+        out: &mut Outbox,
+        from: PeerKey,
+        f: Forward,
+        at: &Serving,
+        now: Duration,
+    ) -> Arrival {
+        let here = f.route.len() as u32;
+        let driver = f.route.first().copied().unwrap_or(from);
+        let ok = at.stage == Some(here)
+            && f.route.last() == Some(&from)
+            && f.rows >= 1
+            && f.rows <= at.microbatch
+            && f.targets.len() == f.rows as usize * at.seq as usize
+            && !self.hops.contains_key(&f.id);
+        if !ok {
+            out.send(driver, Message::Reject { id: f.id });
+            return Arrival::Rejected;
+        }
+        if at.round.is_some_and(|round| f.round > round) {
+            if self.held_forwards.len() < MAX_HELD_FORWARDS {
+                self.held_forwards.push(HeldForward {
+                    from,
+                    forward: f,
+                    at: now,
+                });
+                return Arrival::Held;
+            }
+            out.send(driver, Message::Reject { id: f.id });
+            return Arrival::Rejected;
+        }
+        let expect = at.activation_values * f.rows as usize;
+        let Some(acts) = decode(&f.activations, expect).filter(|a| a.len() == expect) else {
+            out.event(Event::Warning(format!("bad activations from {from}")));
+            out.send(driver, Message::Reject { id: f.id });
+            return Arrival::Rejected;
+        };
+        let (job_targets, hop_targets) = if at.last {
+            (Some(f.targets), Vec::new())
+        } else {
+            (None, f.targets)
+        };
+        self.hops.insert(
+            f.id,
+            Hop {
+                sample: f.sample,
+                round: f.round,
+                route: f.route,
+                rows: f.rows,
+                targets: hop_targets,
+                next: None,
+                backward_done: false,
+                loss: None,
+                expires: now + at.hop_lifetime,
+            },
+        );
+        out.compute(Job::Forward {
+            id: f.id,
+            rows: f.rows,
+            input: Input::Activations(acts),
+            targets: job_targets,
+        });
+        Arrival::Running
+    }
+
+    /// The held forward passes of steps up to `round`, to run now.
+    pub fn release_held_forwards(&mut self, round: u64) -> Vec<HeldForward> {
+        let (due, keep) = std::mem::take(&mut self.held_forwards)
+            .into_iter()
+            .partition(|h| h.forward.round <= round);
+        self.held_forwards = keep;
+        due
+    }
+
+    /// A hop's loss at the last stage; returns the samples behind it (None: not a hop).
+    pub fn record_loss(&mut self, attempt: u64, loss: f32) -> Option<u32> {
+        let h = self.hops.get_mut(&attempt)?;
+        h.loss = Some(loss);
+        Some(h.rows)
+    }
+
+    /// What a hop's activations carry on: its route with this peer appended, its samples,
+    /// targets (those the forward job read, or the ones it carried), sample and round.
+    pub fn forwarding(
+        &self,
+        me: PeerKey,
+        attempt: u64,
+        targets: Option<Vec<u32>>,
+    ) -> Option<ForwardHeader> {
+        let h = self.hops.get(&attempt)?;
+        let mut route = h.route.clone();
+        route.push(me);
+        Some(ForwardHeader {
+            route,
+            rows: h.rows,
+            targets: targets.unwrap_or_else(|| h.targets.clone()),
+            sample: h.sample,
+            round: h.round,
+        })
+    }
+
+    /// A hop's activations went to `next`.
+    pub fn sent(&mut self, attempt: u64, next: PeerKey) {
+        if let Some(h) = self.hops.get_mut(&attempt) {
+            h.next = Some(next);
+        }
+    }
+
+    /// A hop cannot go on (no replica of the next stage, or its job failed): its driver is
+    /// told, so it retries elsewhere.
+    pub fn reject(&mut self, out: &mut Outbox, attempt: u64) {
+        if let Some(h) = self.hops.remove(&attempt) {
+            if let Some(d) = h.route.first() {
+                out.send(*d, Message::Reject { id: attempt });
+            }
+        }
+    }
+
+    /// The gradient of a hop's output came back from the peer it was sent to: run the
+    /// backward pass. Anything else (another sender, a second gradient, a wrong size) is
+    /// ignored.
+    pub fn on_backward(
+        &mut self,
+        out: &mut Outbox,
+        from: PeerKey,
+        b: Backward,
+        grad: Vec<f32>,
+        at: &Serving,
+        now: Duration,
+    ) {
+        let Some(h) = self.hops.get_mut(&b.id) else {
+            return;
+        };
+        if h.next != Some(from)
+            || h.backward_done
+            || grad.len() != at.activation_values * h.rows as usize
+        {
+            return;
+        }
+        h.route = b.route;
+        h.expires = now + at.hop_lifetime;
+        out.compute(Job::Backward {
+            id: b.id,
+            grad: Some(grad),
+            rows: h.rows,
+        });
+    }
+
+    /// A hop's backward pass finished: send the gradient of its input to the previous stage
+    /// (the last stage appends itself to the route the driver commits along).
+    pub fn on_backward_done(
+        &mut self,
+        out: &mut Outbox,
+        me: PeerKey,
+        attempt: u64,
+        grad: Option<Vec<f32>>,
+        at: &Serving,
+        codec: Codec,
+        now: Duration,
+    ) {
+        let Some(h) = self.hops.get_mut(&attempt) else {
+            out.compute(Job::Abort { id: attempt });
+            return;
+        };
+        h.backward_done = true;
+        h.expires = now + at.hop_lifetime;
+        let mut route = h.route.clone();
+        if at.last {
+            route.push(me);
+        }
+        let Some(prev) = at
+            .stage
+            .and_then(|s| s.checked_sub(1))
+            .and_then(|s| route.get(s as usize).copied())
+        else {
+            return;
+        };
+        let grad = self.encode(out, codec, &grad.unwrap_or_default());
+        out.send(
+            prev,
+            Message::Backward(Backward {
+                id: attempt,
+                route,
+                grad,
+            }),
+        );
+    }
+
+    /// Encodes a tensor with `codec`; a failure is reported and sends nothing useful.
+    pub fn encode(&mut self, out: &mut Outbox, codec: Codec, values: &[f32]) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        if let Err(e) = self
+            .encoder
+            .encode(codec, values, &[values.len()], &mut bytes)
+        {
+            out.event(Event::Warning(format!("encoding failed: {e}")));
+        }
+        bytes
+    }
+
+    /// The driver commits a hop: its gradient is added to the step being collected, which is
+    /// the one the hop was started for (a forward pass of a later step waits until this
+    /// replica reaches it, so a hop is never ahead of the step being collected). A hop whose
+    /// backward pass never ran here is aborted.
+    pub fn on_commit(&mut self, out: &mut Outbox, attempt: u64) {
+        let Some(h) = self.hops.remove(&attempt) else {
+            return;
+        };
+        if !h.backward_done {
+            out.compute(Job::Abort { id: attempt });
+            return;
+        }
+        self.expect_commit(attempt, h.sample, h.rows, h.loss);
+        self.commit(out, attempt);
+    }
+
+    /// The driver gave a hop up.
+    pub fn on_abort(&mut self, out: &mut Outbox, attempt: u64) {
+        if self.hops.remove(&attempt).is_some() {
+            out.compute(Job::Abort { id: attempt });
+        }
+    }
+
+    /// Records an attempt whose gradient will be committed.
+    pub fn expect_commit(&mut self, attempt: u64, sample: u64, rows: u32, loss: Option<f32>) {
+        self.committing
+            .insert(attempt, PendingCommit { sample, rows, loss });
+    }
+
+    /// The loss recorded with a pending commit.
+    pub fn pending_loss(&self, attempt: u64) -> Option<f32> {
+        self.committing.get(&attempt).and_then(|c| c.loss)
+    }
+
+    /// Queues the commit job of a recorded attempt.
+    pub fn commit(&mut self, out: &mut Outbox, attempt: u64) {
+        self.commits_queued += self
+            .committing
+            .get(&attempt)
+            .map_or(0.0, |c| f64::from(c.rows));
+        out.compute(Job::Commit { id: attempt });
+    }
+
+    /// A commit job finished (`done`) or failed: the attempt is no longer pending. Returns
+    /// it, with what the step needs to count it.
+    pub fn committed(&mut self, attempt: u64) -> Option<PendingCommit> {
+        let c = self.committing.remove(&attempt)?;
+        self.commits_queued = (self.commits_queued - f64::from(c.rows)).max(0.0);
+        Some(c)
+    }
+
+    /// Drops records whose driver went quiet for longer than every attempt can take.
+    pub fn expire(&mut self, out: &mut Outbox, now: Duration) {
+        let stale: Vec<u64> = self
+            .hops
+            .iter()
+            .filter(|(_, h)| h.expires <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stale {
+            self.hops.remove(&id);
+            out.compute(Job::Abort { id });
+        }
+    }
+
+    /// `peer` is gone or unreachable: the drivers of hops waiting on it are told at once.
+    pub fn reject_routed_through(&mut self, out: &mut Outbox, peer: PeerKey) {
+        for (id, h) in &self.hops {
+            if h.next == Some(peer) && !h.backward_done {
+                if let Some(driver) = h.route.first() {
+                    out.send(*driver, Message::Reject { id: *id });
+                }
+            }
+        }
+    }
+
+    /// Drops all work: the stage is about to be replaced. Other drivers are told at once so
+    /// they retry elsewhere.
+    pub fn abandon(&mut self, out: &mut Outbox) {
+        for (id, h) in std::mem::take(&mut self.hops) {
+            if let Some(d) = h.route.first() {
+                out.send(*d, Message::Reject { id });
+            }
+        }
+        self.committing.clear();
+        self.commits_queued = 0.0;
+        self.held_forwards.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::swarm::interface::Action;
+
+    const MS: Duration = Duration::from_millis(1);
+    const ME: PeerKey = PeerKey(5);
+    const DRIVER: PeerKey = PeerKey(1);
+    const PREV: PeerKey = PeerKey(2);
+
+    /// Stage 2 of 4 in allreduce mode at round 3; microbatches of up to 2 samples of 3 tokens,
+    /// 4 values per sample at a boundary.
+    fn serving() -> Serving {
+        Serving {
+            stage: Some(2),
+            last: false,
+            round: Some(3),
+            microbatch: 2,
+            seq: 3,
+            activation_values: 4,
+            hop_lifetime: Duration::from_secs(1),
+        }
+    }
+
+    fn forward(id: u64, round: u64) -> Forward {
+        let acts = crate::codec::encode_to_vec(Codec::Fp32, &[0.5; 8], &[8]).unwrap();
+        Forward {
+            id,
+            sample: 100 + id,
+            round,
+            rows: 2,
+            route: vec![DRIVER, PREV],
+            targets: vec![0; 6],
+            activations: acts,
+        }
+    }
+
+    fn sends(out: &mut Outbox) -> Vec<(PeerKey, Message)> {
+        out.drain()
+            .into_iter()
+            .filter_map(|a| match a {
+                Action::Send { to, msg } => Some((to, msg)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn jobs(out: &mut Outbox) -> Vec<Job> {
+        let mut jobs = Vec::new();
+        while let Some(j) = out.jobs.next(Duration::ZERO) {
+            jobs.push(j);
+            out.jobs.finished(Duration::ZERO);
+        }
+        jobs
+    }
+
+    #[test]
+    fn a_forward_pass_that_does_not_fit_the_run_is_rejected_to_its_driver() {
+        let mut s = StageServer::default();
+        let mut out = Outbox::new(ME);
+        let bad = [
+            Forward {
+                route: vec![DRIVER],
+                ..forward(1, 3)
+            },
+            Forward {
+                rows: 3,
+                ..forward(2, 3)
+            },
+            Forward {
+                targets: vec![0; 5],
+                ..forward(3, 3)
+            },
+            Forward {
+                activations: vec![1, 2, 3],
+                ..forward(4, 3)
+            },
+        ];
+        for f in bad {
+            assert_eq!(
+                s.on_forward(&mut out, PREV, f, &serving(), Duration::ZERO),
+                Arrival::Rejected
+            );
+        }
+        // Not from the route's last peer.
+        assert_eq!(
+            s.on_forward(
+                &mut out,
+                PeerKey(9),
+                forward(5, 3),
+                &serving(),
+                Duration::ZERO
+            ),
+            Arrival::Rejected
+        );
+        let rejected: Vec<Message> = sends(&mut out).into_iter().map(|s| s.1).collect();
+        assert_eq!(rejected.len(), 5);
+        assert!(jobs(&mut out).is_empty());
+        // A good one runs; its id cannot be used twice.
+        let at = serving();
+        assert_eq!(
+            s.on_forward(&mut out, PREV, forward(6, 3), &at, Duration::ZERO),
+            Arrival::Running
+        );
+        assert_eq!(
+            s.on_forward(&mut out, PREV, forward(6, 3), &at, Duration::ZERO),
+            Arrival::Rejected
+        );
+        assert_eq!(s.next_timeout(), Some(at.hop_lifetime));
+    }
+
+    /// Held forwards: a microbatch of a later step waits until this replica took the steps
+    /// before it, then runs; the time the first one arrived is the evidence a starving stage
+    /// needs.
+    #[test]
+    fn a_forward_pass_of_a_later_step_waits_for_it() {
+        let mut s = StageServer::default();
+        let mut out = Outbox::new(ME);
+        assert_eq!(
+            s.on_forward(&mut out, PREV, forward(1, 4), &serving(), 10 * MS),
+            Arrival::Held
+        );
+        assert!(jobs(&mut out).is_empty());
+        assert_eq!(s.next_step_waiting_since(3), Some(10 * MS));
+        assert_eq!(s.next_step_waiting_since(4), None);
+        assert!(s.release_held_forwards(3).is_empty());
+        let due = s.release_held_forwards(4);
+        assert_eq!(due.len(), 1);
+        let mut at = serving();
+        at.round = Some(4);
+        let h = due.into_iter().next().unwrap();
+        assert_eq!(
+            s.on_forward(&mut out, h.from, h.forward, &at, 20 * MS),
+            Arrival::Running
+        );
+        // DiLoCo replicas step on their own: nothing is held.
+        at.round = None;
+        assert_eq!(
+            s.on_forward(&mut out, PREV, forward(2, 9), &at, 20 * MS),
+            Arrival::Running
+        );
+        // The hold is bounded.
+        for id in 0..MAX_HELD_FORWARDS as u64 {
+            s.on_forward(&mut out, PREV, forward(10 + id, 5), &serving(), 20 * MS);
+        }
+        assert_eq!(
+            s.on_forward(&mut out, PREV, forward(9999, 5), &serving(), 20 * MS),
+            Arrival::Rejected
+        );
+    }
+
+    /// A commit adds a hop's gradient; the samples of queued commits count toward the step
+    /// until the commit job is done.
+    #[test]
+    fn a_commit_counts_until_its_job_is_done_and_aborts_a_hop_without_backward() {
+        let mut s = StageServer::default();
+        let mut out = Outbox::new(ME);
+        let at = serving();
+        s.on_forward(&mut out, PREV, forward(1, 3), &at, Duration::ZERO);
+        s.sent(1, PeerKey(7));
+        s.on_backward_done(&mut out, ME, 1, Some(vec![0.0; 8]), &at, Codec::Fp32, MS);
+        jobs(&mut out);
+        s.on_commit(&mut out, 1);
+        assert_eq!(jobs(&mut out), [Job::Commit { id: 1 }]);
+        assert_eq!(s.commits_queued(), 2.0);
+        assert_eq!(s.committed(1).map(|c| c.sample), Some(101));
+        assert_eq!(s.commits_queued(), 0.0);
+        assert_eq!(s.committed(1), None, "once");
+        s.on_forward(&mut out, PREV, forward(3, 3), &at, Duration::ZERO);
+        jobs(&mut out);
+        s.on_commit(&mut out, 3);
+        assert_eq!(jobs(&mut out), [Job::Abort { id: 3 }]);
+    }
+
+    #[test]
+    fn a_gradient_goes_back_along_the_route_from_the_right_peer_once() {
+        let mut s = StageServer::default();
+        let mut out = Outbox::new(ME);
+        let at = serving();
+        s.on_forward(&mut out, PREV, forward(1, 3), &at, Duration::ZERO);
+        s.sent(1, PeerKey(7));
+        jobs(&mut out);
+        let back = |from| Backward {
+            id: 1,
+            route: vec![DRIVER, PREV, ME, from],
+            grad: Vec::new(),
+        };
+        // Not from where the activations went, or the wrong size: ignored.
+        s.on_backward(
+            &mut out,
+            PeerKey(8),
+            back(PeerKey(8)),
+            vec![0.0; 8],
+            &at,
+            MS,
+        );
+        s.on_backward(
+            &mut out,
+            PeerKey(7),
+            back(PeerKey(7)),
+            vec![0.0; 7],
+            &at,
+            MS,
+        );
+        assert!(jobs(&mut out).is_empty());
+        s.on_backward(
+            &mut out,
+            PeerKey(7),
+            back(PeerKey(7)),
+            vec![0.0; 8],
+            &at,
+            MS,
+        );
+        assert!(matches!(jobs(&mut out)[..], [Job::Backward { id: 1, .. }]));
+        s.on_backward_done(&mut out, ME, 1, Some(vec![0.0; 8]), &at, Codec::Fp32, MS);
+        let sent = sends(&mut out);
+        assert_eq!(sent.len(), 1);
+        assert_eq!(sent[0].0, PREV, "to the previous stage on the route");
+        // The driver's abort drops the record; a stale record expires.
+        s.on_abort(&mut out, 1);
+        assert_eq!(jobs(&mut out), [Job::Abort { id: 1 }]);
+        s.on_forward(&mut out, PREV, forward(2, 3), &at, Duration::ZERO);
+        jobs(&mut out);
+        s.expire(&mut out, at.hop_lifetime);
+        assert_eq!(jobs(&mut out), [Job::Abort { id: 2 }]);
+        assert_eq!(s.next_timeout(), None);
+    }
+
+    #[test]
+    fn drivers_hear_at_once_of_work_stuck_at_a_gone_peer_or_a_replaced_stage() {
+        let mut s = StageServer::default();
+        let mut out = Outbox::new(ME);
+        let at = serving();
+        s.on_forward(&mut out, PREV, forward(1, 3), &at, Duration::ZERO);
+        s.on_forward(&mut out, PREV, forward(2, 3), &at, Duration::ZERO);
+        s.sent(1, PeerKey(7));
+        s.sent(2, PeerKey(8));
+        s.reject_routed_through(&mut out, PeerKey(7));
+        assert_eq!(sends(&mut out), [(DRIVER, Message::Reject { id: 1 })]);
+        s.abandon(&mut out);
+        assert_eq!(sends(&mut out).len(), 2);
+        assert_eq!(s.next_timeout(), None);
+    }
+}
