@@ -17,7 +17,6 @@ pub mod modelled;
 pub mod report;
 pub mod scenario;
 pub mod sim;
-pub mod worker;
 
 pub use device::DeviceProfile;
 pub use link::LinkProfile;
@@ -25,7 +24,6 @@ pub use modelled::ModelledStage;
 pub use report::Report;
 pub use scenario::{Compute, Scenario, Setup};
 pub use sim::{Progress, simulate};
-pub use worker::{StageWorker, model_of, stage_costs};
 
 /// The entry of a preset table called `name`, or an error that lists the known names.
 fn preset<T: Copy>(

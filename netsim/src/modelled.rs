@@ -12,7 +12,7 @@
 //! Durations come from the device model either way, so a run's timing, traffic and protocol
 //! decisions are those of the real model; only the numbers inside the tensors are not.
 
-use crate::worker::read_samples;
+use shoal_worker::read_samples;
 use shoal_compute::{Corpus, ModelConfig, StageSpec, exported_state_len};
 use shoal_protocol::swarm::{ComputeDone, Input, Job, Output, RunConfig, SeededRng};
 use std::collections::BTreeMap;
@@ -58,7 +58,7 @@ const STATE_MAGIC: &[u8; 8] = b"SHOALSIM";
 impl ModelledStage {
     /// A modelled replica for `config`; `seed` fills its tensors.
     pub fn new(config: RunConfig, seed: u64) -> Result<Self, String> {
-        let model = crate::worker::model_of(&config)?;
+        let model = shoal_worker::model_of(&config)?;
         let mut rng = SeededRng::new(seed);
         let mut noise = vec![0.0; NOISE_LEN];
         fill_random(&mut noise, &mut rng);
@@ -338,7 +338,7 @@ mod tests {
     #[test]
     fn tensors_have_the_real_replicas_sizes() {
         let config = config();
-        let model = crate::worker::model_of(&config).unwrap();
+        let model = shoal_worker::model_of(&config).unwrap();
         let boundary = 2 * config.seq as usize * model.width;
         let mut first = ModelledStage::new(config.clone(), 1).unwrap();
         let mut last = ModelledStage::new(config.clone(), 2).unwrap();

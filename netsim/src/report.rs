@@ -62,6 +62,13 @@ pub struct Report {
     pub resyncs: u64,
     /// Disruptions and recovery times.
     pub recoveries: Vec<Recovery>,
+    /// Rebalancing: `[sim_s, peer, from_stage, to_stage]` of every stage move (peers are
+    /// numbered in the order they joined).
+    pub moves: Vec<(f64, usize, u32, u32)>,
+    /// The slowest stage's capacity, samples per second (the sum over its serving replicas of
+    /// what each device can compute there: forward and backward passes back to back, per
+    /// the device model): `[at the first step, at the end]`.
+    pub slowest_stage: (f64, f64),
     /// Events simulated.
     pub events: u64,
     /// Hash over the ordered event trace (time, kind, peers of every event).
@@ -150,6 +157,28 @@ impl Report {
             ),
         );
         row(&mut out, "re-syncs", self.resyncs.to_string());
+        let moves: Vec<String> = self
+            .moves
+            .iter()
+            .map(|m| format!("peer {} {}->{} at {:.0} s", m.1, m.2, m.3, m.0))
+            .collect();
+        row(
+            &mut out,
+            "moves",
+            if moves.is_empty() {
+                "0".into()
+            } else {
+                format!("{} ({})", moves.len(), moves.join(", "))
+            },
+        );
+        row(
+            &mut out,
+            "slowest stage",
+            format!(
+                "{:.0} samples/s at the first step, {:.0} at the end",
+                self.slowest_stage.0, self.slowest_stage.1
+            ),
+        );
         for r in &self.recoveries {
             row(
                 &mut out,

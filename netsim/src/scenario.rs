@@ -101,6 +101,9 @@ pub struct PeerGroup {
     /// When they join, simulated seconds.
     #[serde(default)]
     pub join_at_s: f64,
+    /// The stage they take first (default: the one the run needs most when they choose),
+    /// e.g. to start a swarm badly balanced; rebalancing may move them later.
+    pub stage: Option<u32>,
 }
 
 /// What a scripted event does.
@@ -189,6 +192,8 @@ pub struct Group {
     pub link: LinkProfile,
     /// When they join.
     pub join_at_s: f64,
+    /// The stage they take first, if set.
+    pub stage: Option<u32>,
 }
 
 /// A scripted event resolved to profiles.
@@ -320,6 +325,7 @@ impl Scenario {
                 device: DeviceProfile::named(device).map_err(|e| format!("{what}: {e}"))?,
                 link: LinkProfile::named(link).map_err(|e| format!("{what}: {e}"))?,
                 join_at_s: time(at, what)?,
+                stage: None,
             })
         };
         let mut groups = Vec::new();
@@ -328,7 +334,14 @@ impl Scenario {
             if p.count == 0 || p.count > 4096 {
                 return Err(format!("{what}: count {} (1 to 4096)", p.count));
             }
-            groups.push(group(p.count, &p.device, &p.link, p.join_at_s, &what)?);
+            let mut g = group(p.count, &p.device, &p.link, p.join_at_s, &what)?;
+            if let Some(stage) = p.stage {
+                if stage >= r.stages {
+                    return Err(format!("{what}: stage {stage} of {} stages", r.stages));
+                }
+                g.stage = Some(stage);
+            }
+            groups.push(g);
         }
         let mut events = Vec::new();
         for (i, e) in self.events.iter().enumerate() {
@@ -409,6 +422,7 @@ count = 4
 device = "rtx4090"
 link = "home"
 join_at_s = 0.0          # optional
+stage = 0                # optional: the stage they take first
 
 [[events]]
 at_s = 60.0
@@ -423,6 +437,7 @@ count = 2                # peers chosen by the seed (or `peers = [ids]`)
         assert_eq!(s.config.max_steps, 40);
         assert_eq!(s.groups[0].device.name, "rtx4090");
         assert_eq!(s.groups[0].link.name, "home");
+        assert_eq!(s.groups[0].stage, Some(0));
         assert_eq!(s.events[0].kind, EventKind::Crash);
         assert_eq!(s.events[0].count, 2);
     }
@@ -454,6 +469,10 @@ count = 2                # peers chosen by the seed (or `peers = [ids]`)
                 "real or modelled",
             ),
             (EXAMPLE.replace("at_s = 60.0", "at_s = -1.0"), "not a time"),
+            (
+                EXAMPLE.replace("stage = 0 ", "stage = 3 "),
+                "stage 3 of 3 stages",
+            ),
         ];
         for (text, want) in cases {
             let e = Scenario::parse(&text).unwrap_err();

@@ -14,7 +14,7 @@ use crate::link::{AccessLink, deliver};
 use crate::modelled::ModelledStage;
 use crate::report::{Recovery, Report};
 use crate::scenario::{Compute, EventKind, Group, Setup};
-use crate::worker::{StageWorker, model_of, stage_costs};
+use shoal_worker::{StageWorker, model_of, stage_costs};
 use shoal_compute::{Corpus, CpuBackend};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
@@ -198,6 +198,9 @@ pub struct Sim {
     pending: Vec<Pending>,
     recoveries: Vec<Recovery>,
     gone_stats: Vec<(u64, u64)>,
+    moves: Vec<(f64, usize, u32, u32)>,
+    /// The slowest stage's capacity at the first step.
+    slowest_at_first_step: Option<f64>,
 }
 
 impl Sim {
@@ -234,6 +237,8 @@ impl Sim {
             pending: Vec::new(),
             recoveries: Vec::new(),
             gone_stats: Vec::new(),
+            moves: Vec::new(),
+            slowest_at_first_step: None,
             setup,
         };
         for (i, g) in sim.setup.groups.clone().iter().enumerate() {
@@ -385,6 +390,9 @@ impl Sim {
             );
             machine.set_memory(group.device.memory);
             machine.set_routing(self.setup.routing);
+            if let Some(stage) = group.stage {
+                machine.set_first_stage(stage);
+            }
             let worker = match self.setup.compute {
                 Compute::Real => {
                     let corpus = Corpus::synthetic(self.config.seed);
@@ -643,6 +651,9 @@ impl Sim {
                     self.step = step;
                     self.tokens_curve.push((self.now_s(), self.tokens));
                 }
+                if self.slowest_at_first_step.is_none() {
+                    self.slowest_at_first_step = Some(self.slowest_stage());
+                }
                 self.check_recoveries();
             }
             Event::Stepped { .. } => self.check_recoveries(),
@@ -657,6 +668,7 @@ impl Sim {
                 }
             }
             Event::Resync { .. } => self.resyncs += 1,
+            Event::Moving { from, to } => self.moves.push((self.now_s(), i, from, to)),
             _ => {}
         }
     }
@@ -674,35 +686,55 @@ impl Sim {
         }));
     }
 
+    /// Seconds `device` takes for the forward and backward pass of one microbatch at
+    /// `stage`, per-job overheads included.
+    fn microbatch_seconds(&self, device: &DeviceProfile, stage: u32) -> f64 {
+        let rows = self.config.microbatch;
+        let forward = Job::Forward {
+            id: 0,
+            rows,
+            input: Input::Sample { index: 0 },
+            targets: None,
+        };
+        let backward = Job::Backward {
+            id: 0,
+            grad: None,
+            rows,
+        };
+        (device.job_time(&forward, Some(stage), &self.costs)
+            + device.job_time(&backward, Some(stage), &self.costs))
+        .as_secs_f64()
+    }
+
+    /// The least capacity of any stage, samples per second, over the replicas serving now.
+    fn slowest_stage(&self) -> f64 {
+        let mut capacity = vec![0.0; self.config.stages as usize];
+        for p in self.serving() {
+            if let Some(c) = p.machine.stage().and_then(|s| capacity.get_mut(s as usize)) {
+                let seconds = self.microbatch_seconds(&p.device, p.machine.stage().unwrap_or(0));
+                *c += f64::from(self.config.microbatch) / seconds;
+            }
+        }
+        capacity.into_iter().fold(f64::INFINITY, f64::min)
+    }
+
     /// Tokens per second `device` trains alone: a microbatch's forward and backward pass
     /// through every stage, back to back, per-job overheads included.
     fn compute_only_tokens_per_s(&self, device: &DeviceProfile) -> f64 {
-        let rows = self.config.microbatch;
         let seconds: f64 = (0..self.config.stages)
-            .map(|stage| {
-                let forward = Job::Forward {
-                    id: 0,
-                    rows,
-                    input: Input::Sample { index: 0 },
-                    targets: None,
-                };
-                let backward = Job::Backward {
-                    id: 0,
-                    grad: None,
-                    rows,
-                };
-                (device.job_time(&forward, Some(stage), &self.costs)
-                    + device.job_time(&backward, Some(stage), &self.costs))
-                .as_secs_f64()
-            })
+            .map(|stage| self.microbatch_seconds(device, stage))
             .sum();
-        (rows * self.config.seq) as f64 / seconds
+        (self.config.microbatch * self.config.seq) as f64 / seconds
     }
 
     fn report(mut self) -> Report {
         // The loop stops when the last replica takes the last step, or at `max_sim_s`.
         let finished = self.done();
         let end = self.now_s();
+        let slowest_stage = (
+            self.slowest_at_first_step.unwrap_or(0.0),
+            self.slowest_stage(),
+        );
         // Ideal: every peer busy with nothing but forward and backward passes, all the time
         // it was present, as if it ran every stage of the model itself.
         let token_seconds: f64 = self
@@ -770,6 +802,8 @@ impl Sim {
             double_commits: self.double_commits,
             resyncs: self.resyncs,
             recoveries: self.recoveries,
+            moves: self.moves,
+            slowest_stage,
             events: self.events,
             event_hash: format!("{:016x}", self.trace.digest()),
         }

@@ -11,7 +11,7 @@ use libp2p::{Multiaddr, PeerId};
 use serde::{Deserialize, Serialize};
 use shoal_compute::data::TextCorpus;
 use shoal_compute::{AnyBackend, Corpus, replica::write_atomic};
-use shoal_netsim::{StageWorker, model_of, stage_costs};
+use shoal_worker::{StageWorker, model_of, stage_costs};
 use shoal_node::net::{self, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{

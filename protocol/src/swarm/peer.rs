@@ -15,7 +15,7 @@ use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
 use super::coordinator::{Settings, StepCoordinator};
 use super::driver::Driver;
 pub use super::interface::{Action, ComputeDone, Event, Input, Job, Output, PeerStats, Resume};
-use super::membership::{Membership, Placement, Routing};
+use super::membership::{Membership, Placement, Routing, fits};
 use super::message::{Announcement, MemberState, Message, StateChunk};
 use super::outbox::Outbox;
 use super::role::{self, ChunkOutcome, Phase, Role};
@@ -110,6 +110,12 @@ impl Peer {
     /// only asked to move to, stages that fit.
     pub fn set_memory(&mut self, bytes: u64) {
         self.memory = bytes;
+    }
+
+    /// Takes `stage` first instead of the stage the run needs most (if its memory holds it):
+    /// an operator's choice; rebalancing may move the peer later like any other.
+    pub fn set_first_stage(&mut self, stage: u32) {
+        self.role.choose_first(stage);
     }
 
     /// How this peer routes microbatches to the next stage (weighted unless measuring the
@@ -521,8 +527,18 @@ impl Peer {
         }
     }
 
-    /// Takes a stage (see [`role::choose`]), or looks again later if none fits.
+    /// Takes a stage: the operator's choice if it fits, else the one the run needs most
+    /// (see [`role::choose`]); looks again later if none fits.
     fn choose(&mut self, now: Duration) {
+        let need = &self.costs.memory;
+        let chosen = self
+            .role
+            .first_choice()
+            .filter(|s| need.get(*s as usize).is_some_and(|n| fits(self.memory, *n)));
+        if let Some(stage) = chosen {
+            self.sync_from_someone(stage, now);
+            return;
+        }
         let placements = role::placements(&self.members, None, self.config.stages, true);
         let choosers = self
             .members

@@ -49,6 +49,8 @@ pub(super) enum ChunkOutcome {
 pub(super) struct Role {
     phase: Phase,
     stage: Option<u32>,
+    /// The stage to take first, if the operator chose one.
+    first_choice: Option<u32>,
     download: Option<Download>,
     /// When to consider rebalancing next.
     next_rebalance: Duration,
@@ -68,12 +70,24 @@ impl Role {
                 until: now + timing.choose_after,
             },
             stage: None,
+            first_choice: None,
             download: None,
             next_rebalance: now + timing.rebalance_every,
             move_at: None,
             state_transfers: 0,
             moves: 0,
         }
+    }
+
+    /// Takes `stage` when choosing (an operator's choice, e.g. where a device's memory is
+    /// best used); rebalancing may move the peer later like any other.
+    pub fn choose_first(&mut self, stage: u32) {
+        self.first_choice = Some(stage);
+    }
+
+    /// The stage to take, if the operator chose one.
+    pub fn first_choice(&self) -> Option<u32> {
+        self.first_choice
     }
 
     /// Serving `stage` from the start (restored from a checkpoint).

@@ -1,8 +1,11 @@
-//! The compute side of a peer: runs the protocol's compute jobs on a stage replica.
+//! shoal-worker: the compute side of a peer. It runs the protocol's compute jobs
+//! (`shoal_protocol::swarm::Job`) on a stage replica (`shoal_compute::replica::StageReplica`)
+//! and tells the protocol what it needs to know of the model's stages ([`stage_costs`]).
 //!
 //! The node runs it on a thread with a real clock; the simulator runs it inline and takes the
 //! job's duration from a device profile. Both execute the very same jobs on the very same
-//! replica code, so a simulated loss curve is a real one.
+//! replica code, so a simulated loss curve is a real one. This crate makes no protocol
+//! decision and does no IO: it answers each job with its result.
 
 use shoal_compute::replica::StageReplica;
 use shoal_compute::stage::{MicrobatchShape, StageInput, StageOutput};
