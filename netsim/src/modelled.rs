@@ -12,9 +12,9 @@
 //! Durations come from the device model either way, so a run's timing, traffic and protocol
 //! decisions are those of the real model; only the numbers inside the tensors are not.
 
-use shoal_worker::read_samples;
 use shoal_compute::{Corpus, ModelConfig, StageSpec, exported_state_len};
 use shoal_protocol::swarm::{ComputeDone, Input, Job, Output, RunConfig, SeededRng};
+use shoal_worker::read_samples;
 use std::collections::BTreeMap;
 use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 

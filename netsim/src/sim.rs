@@ -14,7 +14,6 @@ use crate::link::{AccessLink, deliver};
 use crate::modelled::ModelledStage;
 use crate::report::{Recovery, Report};
 use crate::scenario::{Compute, EventKind, Group, Setup};
-use shoal_worker::{StageWorker, model_of, stage_costs};
 use shoal_compute::{Corpus, CpuBackend};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
@@ -22,6 +21,7 @@ use shoal_protocol::swarm::{
     SeededRng, StageCosts, SyncMode, Timing,
 };
 use shoal_protocol::wire::FRAME_HEADER_LEN;
+use shoal_worker::{StageWorker, model_of, stage_costs};
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::sync::Arc;

@@ -11,7 +11,6 @@ use libp2p::{Multiaddr, PeerId};
 use serde::{Deserialize, Serialize};
 use shoal_compute::data::TextCorpus;
 use shoal_compute::{AnyBackend, Corpus, replica::write_atomic};
-use shoal_worker::{StageWorker, model_of, stage_costs};
 use shoal_node::net::{self, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
@@ -19,6 +18,7 @@ use shoal_protocol::swarm::{
     RunConfig, RunId, SyncMode, Timing,
 };
 use shoal_protocol::{FrameKind, TrafficCodecs};
+use shoal_worker::{StageWorker, model_of, stage_costs};
 use std::collections::{BTreeMap, HashMap};
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};

@@ -106,6 +106,26 @@ fn modelled_compute_times_and_sends_what_real_compute_does() {
     assert_eq!(modelled.recoveries.len(), real.recoveries.len(), "{tables}");
 }
 
+/// Rebalancing, end to end: the shipped `uneven` swarm starts with its fast peers crowding the
+/// first stage; peers move until the slowest stage is much faster, no peer moves twice, and
+/// the run finishes with every sample applied at most once.
+#[test]
+fn a_badly_balanced_swarm_rebalances_once_per_peer() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../netsim/scenarios/uneven.toml");
+    let r = run(&std::fs::read_to_string(path).unwrap(), 1);
+    let table = r.table();
+    assert!(r.finished, "{table}");
+    assert_eq!(r.double_commits, 0, "{table}");
+    assert!(!r.moves.is_empty(), "{table}");
+    let (start, end) = r.slowest_stage;
+    assert!(end >= 1.25 * start, "{table}");
+    let mut movers: Vec<usize> = r.moves.iter().map(|m| m.1).collect();
+    movers.sort_unstable();
+    movers.dedup();
+    assert_eq!(movers.len(), r.moves.len(), "a peer moved twice: {table}");
+    assert!(table.contains("moves"), "{table}");
+}
+
 #[test]
 fn the_shipped_scenarios_are_valid() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../netsim/scenarios");
@@ -132,6 +152,7 @@ fn the_shipped_scenarios_are_valid() {
             "regions",
             "regions-nano",
             "scale",
+            "uneven",
             "wan"
         ]
     );
@@ -173,6 +194,8 @@ fn the_command_writes_a_report_and_a_plot() {
         "bytes",
         "microbatches_dropped",
         "recoveries",
+        "moves",
+        "slowest_stage",
         "event_hash",
     ] {
         assert!(!r[field].is_null(), "{field} in {r}");

@@ -82,6 +82,8 @@ pub struct Round {
     codec: Codec,
     timing: Timing,
     phase: Phase,
+    /// The leader this member follows (None: it leads).
+    leader: Option<PeerKey>,
     expected: BTreeSet<PeerKey>,
     joined: BTreeSet<PeerKey>,
     group: Vec<PeerKey>,
@@ -124,6 +126,7 @@ impl Round {
             codec,
             timing,
             phase: Phase::Done,
+            leader: None,
             expected: BTreeSet::new(),
             joined: BTreeSet::new(),
             group: Vec::new(),
@@ -179,6 +182,7 @@ impl Round {
     ) -> Self {
         let mut r = Round::new(key, me, len, codec, timing, now);
         r.phase = Phase::AwaitStart;
+        r.leader = Some(leader);
         r.deadline = Some(now + timing.join_window + timing.round_timeout);
         r.out.push_back(RoundOut::Send(leader, RoundMsg::Join));
         r
@@ -199,6 +203,11 @@ impl Round {
     pub fn contributed(&self) -> bool {
         matches!(self.phase, Phase::Exchanging | Phase::Filling)
             || (self.phase == Phase::Done && !self.group.is_empty())
+    }
+
+    /// The leader whose start this follower still waits for, if it waits.
+    pub fn awaited_leader(&self) -> Option<PeerKey> {
+        self.leader.filter(|_| self.phase == Phase::AwaitStart)
     }
 
     /// When [`Round::handle_timeout`] should be called.

@@ -620,8 +620,24 @@ impl StepCoordinator {
     }
 
     /// Carries out what the current round wants: its messages, the request for this
-    /// replica's contribution, and applying its result.
-    pub fn drain_round(&mut self, out: &mut Outbox) {
+    /// replica's contribution, and applying its result. A round of `stage` whose leader left
+    /// the stage before starting it fails now. Returns whether the round failed: the
+    /// replica then tries the round again (see [`StepCoordinator::maybe_begin_round`]), or it
+    /// would wait for a trigger that may never come (its batch is complete, so no more
+    /// samples arrive).
+    pub fn drain_round(
+        &mut self,
+        out: &mut Outbox,
+        stage: Option<u32>,
+        members: &Membership,
+    ) -> bool {
+        if let Some(key) = stage.and_then(|s| self.rounds.leader_gone(s, members)) {
+            out.event(Event::RoundFailed {
+                round: key.index,
+                reason: "the round's leader left the stage",
+            });
+            return true;
+        }
         while let Some((key, o)) = self.rounds.poll() {
             match o {
                 RoundOut::Send(to, msg) => out.send(to, Message::Round { key, msg }),
@@ -653,10 +669,11 @@ impl StepCoordinator {
                         reason,
                     });
                     self.rounds.fail();
-                    return;
+                    return true;
                 }
             }
         }
+        false
     }
 
     /// This replica's contribution to the round is computed: the sum of its gradients over

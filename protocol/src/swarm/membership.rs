@@ -276,11 +276,19 @@ pub struct Move {
     pub after: f64,
 }
 
+/// Moves whose gain is within this fraction of the best move's gain count as equally good.
+/// Peers measure throughput with noise and see each other's a gossip round late (in the
+/// simulator, the views of four identical GPUs differed by up to 12%), so with similar
+/// devices each would find a different best mover, and the peer chosen would rarely agree
+/// that it is; among equally good moves, the smallest key moves.
+pub const MOVE_TIE: f64 = 0.25;
+
 /// The move that most raises the slowest stage's throughput, if one raises it by more than
 /// `gain` (hysteresis: small improvements are not worth a state transfer and would make
-/// peers flap between stages). A peer's throughput at another stage is estimated by scaling
-/// with the stages' FLOPs per sample. Only measured peers move; no move empties a stage; no
-/// peer moves to a stage whose `need` of memory it cannot hold.
+/// peers flap between stages); of the moves within [`MOVE_TIE`] of the best, the smallest
+/// key's. A peer's throughput at another stage is estimated by scaling with the stages' FLOPs
+/// per sample. Only measured peers move; no move empties a stage; no peer moves to a stage
+/// whose `need` of memory it cannot hold.
 pub fn plan_move(
     placements: &[Placement],
     flops_per_sample: &[f64],
@@ -295,36 +303,37 @@ pub fn plan_move(
     let slowest = |t: &[f64]| t.iter().copied().fold(f64::INFINITY, f64::min);
     let base: Vec<f64> = totals.iter().map(|t| t.0).collect();
     let before = slowest(&base);
-    let mut best: Option<Move> = None;
+    let mut moves = Vec::new();
     for p in placements {
+        if totals[p.stage as usize].1 <= 1 {
+            continue;
+        }
         for to in 0..stages {
             if to == p.stage || !need.get(to as usize).is_some_and(|n| fits(p.memory, *n)) {
                 continue;
             }
             let mut t = base.clone();
             t[p.stage as usize] -= p.throughput;
-            if totals[p.stage as usize].1 <= 1 {
-                continue;
-            }
             let scale = flops_per_sample[p.stage as usize] / flops_per_sample[to as usize];
             t[to as usize] += p.throughput * scale;
-            let after = slowest(&t);
-            let better = match best {
-                None => true,
-                Some(b) => after > b.after + 1e-12 || (after >= b.after - 1e-12 && p.peer < b.peer),
-            };
-            if better {
-                best = Some(Move {
-                    peer: p.peer,
-                    from: p.stage,
-                    to,
-                    before,
-                    after,
-                });
-            }
+            moves.push(Move {
+                peer: p.peer,
+                from: p.stage,
+                to,
+                before,
+                after: slowest(&t),
+            });
         }
     }
-    best.filter(|m| m.after > m.before * (1.0 + gain))
+    let best = moves
+        .iter()
+        .map(|m| m.after)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let good_enough = best - MOVE_TIE * (best - before);
+    moves
+        .into_iter()
+        .filter(|m| m.after >= good_enough && m.after > before * (1.0 + gain))
+        .min_by(|a, b| a.peer.cmp(&b.peer).then(b.after.total_cmp(&a.after)))
 }
 
 #[cfg(test)]
@@ -476,6 +485,41 @@ mod tests {
         assert_eq!((m.peer, m.to), (PeerKey(1), 1));
         let small = [p(1, 0, 10.0, 5), p(2, 0, 10.0, 5), p(3, 1, 1.0, 0)];
         assert_eq!(plan_move(&small, &flops, &[4, 8], 0.1), None);
+    }
+
+    /// Peers with similar devices see slightly different throughputs (noise, gossip lag);
+    /// they must still agree on who moves.
+    #[test]
+    fn peers_that_measure_slightly_differently_agree_on_the_mover() {
+        let p = |peer, stage, throughput| Placement {
+            peer: PeerKey(peer),
+            stage,
+            throughput,
+            memory: 0,
+        };
+        let flops = [1.0, 1.0];
+        let mut rng = SeededRng::new(9);
+        for _ in 0..100 {
+            let view: Vec<Placement> = (0..8)
+                .map(|i| {
+                    let (stage, speed) = if i < 4 { (0, 2000.0) } else { (1, 190.0) };
+                    p(10 + i, stage, speed * (0.94 + 0.12 * rng.next_f64()))
+                })
+                .collect();
+            let m = plan_move(&view, &flops, &[0; 2], 0.25).unwrap();
+            assert_eq!((m.peer, m.from, m.to), (PeerKey(10), 0, 1));
+        }
+        // A clearly better move still wins over a smaller key.
+        let view = [
+            p(1, 0, 500.0),
+            p(2, 0, 2000.0),
+            p(3, 0, 2000.0),
+            p(4, 1, 100.0),
+        ];
+        assert_eq!(
+            plan_move(&view, &flops, &[0; 2], 0.25).unwrap().peer,
+            PeerKey(2)
+        );
     }
 
     /// Applies planned moves until none is proposed: each move must raise the slowest stage

@@ -40,6 +40,8 @@ pub struct Peer {
     routing: Routing,
     incarnation: u64,
     announcements: u64,
+    /// The throughput in this peer's last announcement: what the others plan with.
+    announced_throughput: f64,
     next_announce: Duration,
     rng: SeededRng,
     members: Membership,
@@ -74,6 +76,7 @@ impl Peer {
             routing: Routing::default(),
             incarnation,
             announcements: 0,
+            announced_throughput: 0.0,
             next_announce: now,
             rng,
             members: Membership::default(),
@@ -237,11 +240,12 @@ impl Peer {
     /// The announcement this peer gossips next.
     pub fn announcement(&mut self) -> Announcement {
         self.announcements += 1;
+        self.announced_throughput = self.out.jobs.throughput();
         let (stage, state) = self.role.announced();
         Announcement {
             stage,
             state,
-            throughput: self.out.jobs.throughput() as f32,
+            throughput: self.announced_throughput as f32,
             queue: self.out.jobs.queued(),
             step: self.steps.step(),
             round: self.steps.round(),
@@ -278,28 +282,23 @@ impl Peer {
         self.role.serving() == Some(0)
     }
 
-    /// This peer as a placement, if it serves a stage.
-    fn own_placement(&self) -> Option<Placement> {
-        self.role.serving().map(|stage| Placement {
+    /// Every serving peer with its measured throughput, this one included (at `own`).
+    fn measured_placements(&self, own: f64) -> Vec<Placement> {
+        let me = self.role.serving().map(|stage| Placement {
             peer: self.me,
             stage,
-            throughput: self.out.jobs.throughput(),
+            throughput: own,
             memory: self.memory,
-        })
-    }
-
-    /// Every serving peer with its measured throughput, this one included.
-    fn measured_placements(&self) -> Vec<Placement> {
-        role::placements(
-            &self.members,
-            self.own_placement(),
-            self.config.stages,
-            false,
-        )
+        });
+        role::placements(&self.members, me, self.config.stages, false)
     }
 
     fn after(&mut self, now: Duration) {
-        self.steps.drain_round(&mut self.out);
+        let stage = self.role.serving();
+        if self.steps.drain_round(&mut self.out, stage, &self.members) {
+            self.maybe_begin_round(now);
+            self.steps.drain_round(&mut self.out, stage, &self.members);
+        }
         self.pump(now);
         if let Some(job) = self.out.jobs.next(now) {
             self.out.push(Action::Compute(job));
@@ -426,7 +425,8 @@ impl Peer {
             self.resync(r, now);
         }
         if self.role.next_timeout().is_some_and(|t| now >= t) {
-            let placements = self.measured_placements();
+            // As every peer sees this one: the others' view decides who moves.
+            let placements = self.measured_placements(self.announced_throughput);
             let busy = self.steps.in_round() || self.steps.finished();
             let planned = self.role.consider_move(
                 self.me,

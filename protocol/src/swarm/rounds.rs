@@ -9,6 +9,7 @@
 use super::PeerKey;
 use super::averaging::{Round, RoundOut};
 use super::config::Timing;
+use super::membership::Membership;
 use super::message::{Message, RoundKey, RoundMsg};
 use super::outbox::Outbox;
 use crate::Codec;
@@ -28,6 +29,8 @@ pub(super) struct Rounds {
     last: Option<Round>,
     /// Joins of the next round that came before this replica was ready for it.
     early_joins: Vec<(RoundKey, PeerKey)>,
+    /// The leader of the round this replica follows was seen serving the stage.
+    leader_seen: bool,
 }
 
 impl Rounds {
@@ -40,6 +43,7 @@ impl Rounds {
             current: None,
             last: None,
             early_joins: Vec::new(),
+            leader_seen: false,
         }
     }
 
@@ -80,9 +84,11 @@ impl Rounds {
             Round::follow(key, self.me, leader, len, self.codec, self.timing, now)
         };
         self.current = Some(round);
+        self.leader_seen = false;
     }
 
     fn follow(&mut self, key: RoundKey, leader: PeerKey, len: usize, now: Duration) {
+        self.leader_seen = false;
         self.current = Some(Round::follow(
             key,
             self.me,
@@ -201,6 +207,26 @@ impl Rounds {
             ),
             RoundMsg::Missing { .. } => {}
         }
+    }
+
+    /// A round whose start this replica waits for cannot start once its leader no longer
+    /// serves the stage (it moved, re-synced, left or is gone): it fails now rather than at
+    /// its deadline, so that the replicas still there can start the round among themselves.
+    /// A leader not seen serving yet (its announcement may still be on the way) is waited
+    /// for. Returns the failed round's key.
+    pub fn leader_gone(&mut self, stage: u32, members: &Membership) -> Option<RoundKey> {
+        let r = self.current.as_ref()?;
+        let leader = r.awaited_leader()?;
+        if members.get(leader).is_some_and(|m| m.serves(stage)) {
+            self.leader_seen = true;
+            return None;
+        }
+        if !self.leader_seen {
+            return None;
+        }
+        let key = r.key();
+        self.current = None;
+        Some(key)
     }
 
     /// Time passed.
@@ -354,6 +380,46 @@ mod tests {
         );
         assert!(!r.active());
         assert!(!r.follow_early_invitation(key(1), 8, MS));
+    }
+
+    #[test]
+    fn a_round_whose_leader_left_the_stage_fails_at_once() {
+        use crate::swarm::message::{Announcement, MemberState};
+        let a = |stage| Announcement {
+            stage: Some(stage),
+            state: MemberState::Serving,
+            throughput: 1.0,
+            queue: 0,
+            step: 0,
+            round: 0,
+            params_hash: None,
+            finished: false,
+            loss: None,
+            memory: 0,
+            incarnation: 1,
+            seq: 1,
+        };
+        let mut m = Membership::default();
+        let mut r = rounds(5);
+        r.begin(key(0), &[PeerKey(3)], 8, Duration::ZERO);
+        // The leader is not known yet: wait for it.
+        assert_eq!(r.leader_gone(1, &m), None);
+        m.update(PeerKey(3), a(1), Duration::ZERO);
+        assert_eq!(r.leader_gone(1, &m), None);
+        assert!(r.active());
+        // It moves to stage 2 before starting the round.
+        let mut moved = a(2);
+        moved.seq = 2;
+        m.update(PeerKey(3), moved, MS);
+        assert_eq!(r.leader_gone(1, &m), Some(key(0)));
+        assert!(!r.active());
+        // A leader that is gone altogether counts the same.
+        let mut m = Membership::default();
+        m.update(PeerKey(3), a(1), Duration::ZERO);
+        r.begin(key(0), &[PeerKey(3)], 8, MS);
+        assert_eq!(r.leader_gone(1, &m), None);
+        m.remove(PeerKey(3));
+        assert_eq!(r.leader_gone(1, &m), Some(key(0)));
     }
 
     #[test]

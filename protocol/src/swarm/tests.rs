@@ -49,7 +49,7 @@ fn timing() -> Timing {
         join_window: 100 * MS,
         round_timeout: 300 * MS,
         choose_after: 120 * MS,
-        rebalance_every: Duration::from_secs(3600),
+        rebalance_every: Duration::from_secs(1),
         transfer_timeout: Duration::from_secs(2),
         ..Timing::default()
     }
@@ -288,8 +288,13 @@ impl Swarm {
 
     /// Adds a peer; `speed` multiplies its compute time.
     fn add(&mut self, key: u64, speed: u32) {
+        self.add_at(key, speed, None);
+    }
+
+    /// Adds a peer that takes `stage` first, if given.
+    fn add_at(&mut self, key: u64, speed: u32, stage: Option<u32>) {
         let k = PeerKey(key);
-        let peer = Peer::new(
+        let mut peer = Peer::new(
             k,
             self.config(),
             costs(self.stages),
@@ -298,6 +303,9 @@ impl Swarm {
             None,
             self.now,
         );
+        if let Some(stage) = stage {
+            peer.set_first_stage(stage);
+        }
         self.peers.insert(k, (peer, ToyStage::default(), speed));
         self.schedule(self.now, DueKey::Timer(k));
     }
@@ -499,6 +507,10 @@ fn a_swarm_trains_to_the_last_step_with_equal_replicas() {
         assert_eq!(h[0].0, 30);
     }
     s.assert_at_most_once();
+    assert!(
+        !s.events.iter().any(|e| matches!(e.1, Event::Moving { .. })),
+        "a balanced swarm does not move"
+    );
     // Two drivers feed the pipeline, and still no replica of any stage applied a gradient
     // computed on parameters older than the ones it updated, once the swarm had formed (while
     // peers arrive, a replica may take over microbatches already on their way).
@@ -604,6 +616,38 @@ fn a_joiner_takes_a_stage_and_matches_its_replicas() {
         h.len() >= 2 && h.windows(2).all(|w| w[0] == w[1]),
         "stage {stage}: {h:?}"
     );
+    s.assert_at_most_once();
+}
+
+/// Rebalancing: three replicas on the first stage, one on the second; one of the first moves
+/// (the smallest key: the moves are equally good), the others see the new balance and stay,
+/// and the run goes on to its end with equal replicas.
+#[test]
+fn a_badly_balanced_swarm_moves_one_peer_and_trains_on() {
+    let mut s = Swarm::new(2, SyncMode::AllReduce, 200);
+    for (key, stage) in [(1, 0), (2, 0), (3, 0), (4, 1)] {
+        s.add_at(key, 1, Some(stage));
+    }
+    s.run_until(Duration::from_secs(120));
+    assert!(
+        s.all_finished(),
+        "{:?}",
+        &s.events[s.events.len().saturating_sub(20)..]
+    );
+    let moves: Vec<(PeerKey, u32, u32)> = s
+        .events
+        .iter()
+        .filter_map(|(k, e)| match e {
+            Event::Moving { from, to } => Some((*k, *from, *to)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(moves, [(PeerKey(1), 0, 1)]);
+    for stage in 0..2 {
+        let h = s.hashes(stage);
+        assert_eq!(h.len(), 2, "stage {stage}: {h:?}");
+        assert_eq!(h[0], h[1], "stage {stage}");
+    }
     s.assert_at_most_once();
 }
 

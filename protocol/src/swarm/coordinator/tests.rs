@@ -88,7 +88,7 @@ fn a_round_starts_when_the_stage_holds_the_global_batch() {
     assert!(c.on_progress(PeerKey(9), 0, 4.0, 0.0));
     c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
     assert!(c.in_round());
-    c.drain_round(&mut out);
+    c.drain_round(&mut out, Some(1), &m);
     assert_eq!(
         sends(&mut out),
         [(
@@ -109,6 +109,29 @@ fn a_round_starts_when_the_stage_holds_the_global_batch() {
 
 /// Progress reports from a replica only move forward: one overtaken on the way does not
 /// lower its count, and nonsense is refused.
+/// A round whose leader left the stage before starting it fails at once, and the replica
+/// starts the round again among the replicas still there (its samples are still here).
+#[test]
+fn a_round_whose_leader_left_is_started_again_without_it() {
+    let with_leader = members(&[(3, 1, 0, None)]);
+    let mut out = Outbox::new(ME);
+    let mut c = serving(SyncMode::AllReduce);
+    commit(&mut c, 8);
+    c.maybe_begin_round(&mut out, Some(1), &with_leader, None, MS);
+    assert!(
+        !c.drain_round(&mut out, Some(1), &with_leader),
+        "following 3"
+    );
+    assert!(c.in_round());
+    let moved = members(&[(3, 2, 0, None)]);
+    assert!(c.drain_round(&mut out, Some(1), &moved), "the round failed");
+    assert!(!c.in_round());
+    c.maybe_begin_round(&mut out, Some(1), &moved, None, MS);
+    assert!(c.in_round(), "alone now, it leads");
+    assert!(!c.drain_round(&mut out, Some(1), &moved));
+    assert_eq!(out.jobs.next(MS), Some(Job::TakeGradient));
+}
+
 #[test]
 fn a_stale_or_invalid_progress_report_is_ignored() {
     let mut c = serving(SyncMode::AllReduce);
@@ -253,12 +276,12 @@ fn state_requests_wait_for_the_round_and_checkpoints_follow_the_schedule() {
     c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
     c.request_export(&mut out, PeerKey(9));
     c.request_export(&mut out, PeerKey(9));
-    c.drain_round(&mut out);
+    c.drain_round(&mut out, Some(1), &m);
     // Alone, the round finishes at once once the gradient comes.
     assert_eq!(out.jobs.next(MS), Some(Job::TakeGradient));
     out.jobs.finished(MS);
     assert!(c.on_gradient(vec![1.0; 4], 8.0, MS));
-    c.drain_round(&mut out);
+    c.drain_round(&mut out, Some(1), &m);
     assert!(matches!(out.jobs.next(MS), Some(Job::Step { .. })));
     out.jobs.finished(MS);
     assert!(c.on_stepped(&mut out, 11, false));
@@ -267,11 +290,11 @@ fn state_requests_wait_for_the_round_and_checkpoints_follow_the_schedule() {
     assert_eq!(out.jobs.next(MS), None, "step 1: no checkpoint");
     commit(&mut c, 8);
     c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
-    c.drain_round(&mut out);
+    c.drain_round(&mut out, Some(1), &m);
     out.jobs.next(MS);
     out.jobs.finished(MS);
     c.on_gradient(vec![1.0; 4], 8.0, MS);
-    c.drain_round(&mut out);
+    c.drain_round(&mut out, Some(1), &m);
     out.jobs.next(MS);
     out.jobs.finished(MS);
     c.on_stepped(&mut out, 12, false);

@@ -62,8 +62,8 @@ impl Peer {
         if !self.is_driver() || !self.pipeline_ready() {
             return;
         }
-        let placements = self.measured_placements();
         let own = self.out.jobs.throughput();
+        let placements = self.measured_placements(own);
         let c = &self.config;
         let window = self
             .driver
