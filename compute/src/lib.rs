@@ -16,6 +16,7 @@
 pub mod backend;
 pub mod config;
 pub mod data;
+pub mod file;
 pub mod optim;
 pub mod pipeline;
 pub mod replica;
@@ -25,7 +26,8 @@ pub mod stage;
 pub use backend::{AnyBackend, Backend, BackendChoice, BackendError, CpuBackend};
 pub use config::{ModelConfig, Preset};
 pub use data::{Batch, Corpus, DataError, DataLoader, Shard};
+pub use file::{write_atomic, write_owner_only};
 pub use optim::{AdamW, LrSchedule};
 pub use pipeline::{Coupling, LocalPipeline, StepStats, Transit};
-pub use replica::{ReplicaError, StageReplica, exported_state_len, write_atomic};
+pub use replica::{ReplicaError, StageReplica, exported_state_len};
 pub use stage::{MicrobatchId, Stage, StageError, StageSpec};

@@ -169,6 +169,14 @@ pub struct RunArgs {
     /// Write a JSON report here on exit.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Serve this stage first instead of the one the run needs most (if this device's memory
+    /// holds it); rebalancing may still move the peer later.
+    #[arg(long)]
+    pub stage: Option<u32>,
+    /// Seconds between this peer's checks whether moving to another stage would raise the
+    /// slowest stage's throughput by more than 25% (then it moves, after a random back-off).
+    #[arg(long, default_value = "15", value_parser = positive_f32)]
+    pub rebalance_every: f32,
     /// How this peer shares out work: weighted (replicas by throughput and queue, skipping
     /// stragglers; a driver's part of a step by its throughput) or uniform (every replica and
     /// driver alike, however slow).

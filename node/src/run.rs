@@ -10,7 +10,7 @@ use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
 use serde::{Deserialize, Serialize};
 use shoal_compute::data::TextCorpus;
-use shoal_compute::{AnyBackend, Corpus, replica::write_atomic};
+use shoal_compute::{AnyBackend, Corpus, write_atomic};
 use shoal_node::net::{self, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
@@ -341,7 +341,18 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         }
     };
     let model = model_of(&config).map_err(anyhow::Error::msg)?;
-    let timing = Timing::default();
+    if let Some(stage) = args.stage.filter(|s| *s >= config.stages) {
+        bail!(
+            "--stage {stage}: the run has {} stages (0 to {})",
+            config.stages,
+            config.stages - 1
+        );
+    }
+    let timing = Timing {
+        rebalance_every: Duration::try_from_secs_f32(args.rebalance_every)
+            .with_context(|| format!("--rebalance-every {}", args.rebalance_every))?,
+        ..Timing::default()
+    };
     let costs = stage_costs(&config, &model, &timing);
     let corpus = match &config.data {
         DataSource::Synthetic => Some(Corpus::synthetic(config.seed)),
@@ -400,6 +411,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let seed = config.seed ^ me.0;
     let mut peer = Peer::new(me, config.clone(), costs, timing, seed, resume, now());
     peer.set_routing(args.routing);
+    if let Some(stage) = args.stage {
+        peer.set_first_stage(stage);
+    }
     peer.set_checkpoint_every(
         args.checkpoint_dir
             .as_ref()

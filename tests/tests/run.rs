@@ -162,10 +162,25 @@ fn swarm_trains(sync: &[&str], steps: u64, churn: bool) {
         reports.push((6, n.finish(LONG)));
     }
 
+    verify(&reports, &run_id);
+    if churn {
+        let restarted_report = &reports.iter().find(|(i, _)| *i == restarted).unwrap().1;
+        assert!(
+            restarted_report["resumed_from_step"].as_u64().unwrap() >= 10,
+            "{restarted_report}"
+        );
+    }
+    loss_fell(&reports, STAGES - 1, &format!("{sync:?}"));
+}
+
+/// What every swarm must show at its end: each stage's replicas (newcomers, restarted and
+/// moved peers included) hold identical parameters, and no microbatch was applied twice at
+/// any stage, whatever was retried.
+fn verify(reports: &[(usize, Value)], run_id: &str) {
     let mut hashes: BTreeMap<u64, HashSet<String>> = BTreeMap::new();
     let mut committed: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
-    for (i, r) in &reports {
-        assert_eq!(r["run_id"], run_id.as_str());
+    for (i, r) in reports {
+        assert_eq!(r["run_id"], run_id);
         let stage = r["stage"].as_u64().unwrap();
         hashes
             .entry(stage)
@@ -179,12 +194,9 @@ fn swarm_trains(sync: &[&str], steps: u64, churn: bool) {
         }
         assert!(r["steps"].as_u64().unwrap() > 0, "p{i} took steps: {r}");
     }
-    // Replicas of each stage end with identical parameters (the newcomer's and the
-    // restarted peer's included).
     for (stage, set) in &hashes {
         assert_eq!(set.len(), 1, "stage {stage}: replicas differ: {set:?}");
     }
-    // No microbatch was applied twice at any stage, whatever was retried.
     for (stage, samples) in &committed {
         let unique: HashSet<&u64> = samples.iter().collect();
         assert_eq!(
@@ -193,19 +205,15 @@ fn swarm_trains(sync: &[&str], steps: u64, churn: bool) {
             "stage {stage}: a sample applied twice"
         );
     }
-    if churn {
-        let restarted_report = &reports.iter().find(|(i, _)| *i == restarted).unwrap().1;
-        assert!(
-            restarted_report["resumed_from_step"].as_u64().unwrap() >= 10,
-            "{restarted_report}"
-        );
-    }
-    // The loss fell: the last stage's first steps against its last.
+}
+
+/// The loss fell: the first steps of the last stage's longest curve against its last.
+fn loss_fell(reports: &[(usize, Value)], last_stage: u64, what: &str) {
     let last = reports
         .iter()
         .map(|(_, r)| r)
         .filter(|r| {
-            r["stage"] == STAGES - 1 && r["loss_curve"].as_array().is_some_and(|c| c.len() > 20)
+            r["stage"] == last_stage && r["loss_curve"].as_array().is_some_and(|c| c.len() > 20)
         })
         .max_by_key(|r| r["loss_curve"].as_array().unwrap().len())
         .unwrap();
@@ -218,7 +226,7 @@ fn swarm_trains(sync: &[&str], steps: u64, churn: bool) {
     let first = curve[..5].iter().sum::<f64>() / 5.0;
     let final_loss = last["final_loss"].as_f64().unwrap();
     eprintln!(
-        "{sync:?}: loss {first:.3} -> {final_loss:.3}; dropped {}, retried {}",
+        "{what}: loss {first:.3} -> {final_loss:.3}; dropped {}, retried {}",
         reports
             .iter()
             .map(|(_, r)| r["microbatches_dropped"].as_u64().unwrap())
@@ -253,4 +261,67 @@ fn allreduce_swarm_survives_a_kill_a_join_and_a_restart() {
 #[test]
 fn diloco_swarm_survives_a_kill_a_join_and_a_restart() {
     swarm_trains(&["--sync", "diloco", "--diloco-h", "5"], 400, true);
+}
+
+/// Rebalancing with real processes: four peers of two stages start three to one (`--stage`);
+/// one of the three moves to the starved stage, the others stay, and the run goes on to its
+/// last step with identical replicas.
+#[test]
+fn a_peer_moves_to_the_starved_stage_and_training_goes_on() {
+    let _turn = ONE_SWARM_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("run-rebalance");
+    let quick = ["--rebalance-every", "5"].map(String::from);
+    let mut creator_args: Vec<String> = [
+        "--preset",
+        "nano",
+        "--stages",
+        "2",
+        "--global-batch",
+        "32",
+        "--microbatch",
+        "8",
+        "--max-steps",
+        "200",
+        "--stage",
+        "0",
+    ]
+    .map(String::from)
+    .to_vec();
+    creator_args.extend(quick.clone());
+    let mut creator = start(&dir, "p0", &creator_args);
+    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
+    let words: Vec<&str> = join.split_whitespace().collect();
+    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1].to_owned();
+    let run_id = after("--run");
+    let mut peers = vec![creator];
+    for (i, stage) in [(1, 0), (2, 0), (3, 1)] {
+        let mut args = vec!["--run".into(), run_id.clone(), "--bootstrap".into()];
+        args.extend([after("--bootstrap"), "--stage".into(), stage.to_string()]);
+        args.extend(quick.clone());
+        peers.push(start(&dir, &format!("p{i}"), &args));
+    }
+    for (p, stage) in peers.iter_mut().zip([0, 0, 0, 1]) {
+        assert_eq!(stage_of(p), stage, "{}", p.name);
+    }
+    let reports: Vec<(usize, Value)> = peers
+        .iter_mut()
+        .enumerate()
+        .map(|(i, p)| (i, p.finish(LONG)))
+        .collect();
+    let moved: Vec<&Value> = reports
+        .iter()
+        .map(|(_, r)| r)
+        .filter(|r| r["moves"].as_u64() != Some(0))
+        .collect();
+    assert_eq!(moved.len(), 1, "one peer moves: {reports:?}");
+    assert_eq!(moved[0]["moves"], 1);
+    assert_eq!(moved[0]["stage_history"], serde_json::json!([0, 1]));
+    assert_eq!(moved[0]["stage"], 1);
+    for (i, r) in &reports {
+        assert_eq!(r["steps"], 200, "p{i} took the last step: {r}");
+    }
+    verify(&reports, &run_id);
+    loss_fell(&reports, 1, "rebalanced");
 }

@@ -1,9 +1,8 @@
 //! The node's persistent identity: an ed25519 key in a file readable by its owner only, so a
 //! peer keeps its PeerId across restarts.
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use libp2p::identity::Keypair;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Where the key lives when `--identity` is not given.
@@ -14,7 +13,8 @@ pub fn default_path() -> PathBuf {
     }
 }
 
-/// Loads the key at `path`, creating it (mode 0600, written atomically) if it does not exist.
+/// Loads the key at `path`, creating it (readable by its owner only, written atomically) if it
+/// does not exist.
 pub fn load_or_create(path: &Path) -> anyhow::Result<Keypair> {
     match std::fs::read(path) {
         Ok(bytes) => Keypair::from_protobuf_encoding(&bytes)
@@ -33,27 +33,7 @@ fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create directory {}", dir.display()))?;
     }
-    let tmp = path.with_extension("key.tmp");
-    let mut options = std::fs::OpenOptions::new();
-    options.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600);
-    }
-    let mut f = options
-        .open(&tmp)
-        .with_context(|| format!("cannot create identity file {}", tmp.display()))?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    drop(f);
-    if path.exists() {
-        bail!(
-            "identity file {} appeared while creating it",
-            path.display()
-        );
-    }
-    std::fs::rename(&tmp, path)
+    shoal_compute::write_owner_only(path, bytes)
         .with_context(|| format!("cannot write identity file {}", path.display()))
 }
 
