@@ -203,32 +203,17 @@ pub(super) fn outvoted(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::swarm::fixtures::{self, at_round};
     use crate::swarm::interface::Action;
-    use crate::swarm::message::Announcement;
 
     const MS: Duration = Duration::from_millis(1);
     const ME: PeerKey = PeerKey(5);
 
     fn members(list: &[(u64, u32, u64, u64)]) -> Membership {
-        let mut m = Membership::default();
-        for &(key, stage, round, hash) in list {
-            let a = Announcement {
-                stage: Some(stage),
-                state: MemberState::Serving,
-                throughput: 1.0,
-                queue: 0,
-                step: round,
-                round,
-                params_hash: Some(hash),
-                finished: false,
-                loss: None,
-                memory: 0,
-                incarnation: 1,
-                seq: 1,
-            };
-            m.update(PeerKey(key), a, Duration::ZERO);
-        }
-        m
+        fixtures::members(
+            list.iter()
+                .map(|&(k, s, r, h)| (k, at_round(s, r, Some(h)))),
+        )
     }
 
     #[test]

@@ -288,13 +288,7 @@ impl StepCoordinator {
             });
         let drivers = members.replicas(0);
         let (quota, others) = if allreduce {
-            let others = drivers
-                .iter()
-                .filter_map(|k| self.progress.get(k))
-                .filter(|p| p.round == round)
-                .map(|p| p.samples + p.in_flight)
-                .sum();
-            (batch, Some(others))
+            (batch, Some(self.reported(&drivers, round, true)))
         } else {
             ((batch / (drivers.len() + 1) as f64).max(1.0), None)
         };
@@ -353,6 +347,23 @@ impl StepCoordinator {
         true
     }
 
+    /// Samples `replicas` reported committed toward `round`, and with `in_flight` those they
+    /// have on their way too.
+    fn reported(&self, replicas: &[PeerKey], round: u64, in_flight: bool) -> f64 {
+        replicas
+            .iter()
+            .filter_map(|k| self.progress.get(k))
+            .filter(|p| p.round == round)
+            .map(|p| {
+                if in_flight {
+                    p.samples + p.in_flight
+                } else {
+                    p.samples
+                }
+            })
+            .sum()
+    }
+
     /// A replica is gone: its progress no longer counts.
     pub fn forget(&mut self, peer: PeerKey) {
         self.progress.remove(&peer);
@@ -406,13 +417,7 @@ impl StepCoordinator {
         let replicas = members.replicas(stage);
         match self.settings.sync {
             SyncMode::AllReduce => {
-                let others: f64 = replicas
-                    .iter()
-                    .filter_map(|k| self.progress.get(k))
-                    .filter(|p| p.round == self.round)
-                    .map(|p| p.samples)
-                    .sum();
-                let total = self.accumulated + others;
+                let total = self.accumulated + self.reported(&replicas, self.round, false);
                 // A stage that lost samples (a replica died with what it had collected, or
                 // re-synced) would wait forever for them: the drivers have moved on, and
                 // every sample they send counts at every stage alike. The evidence is a

@@ -342,18 +342,9 @@ mod tests {
 
     fn announcement(stage: u32, throughput: f32, queue: u32) -> Announcement {
         Announcement {
-            stage: Some(stage),
-            state: MemberState::Serving,
             throughput,
             queue,
-            step: 0,
-            round: 0,
-            params_hash: None,
-            finished: false,
-            loss: None,
-            memory: 0,
-            incarnation: 1,
-            seq: 0,
+            ..crate::swarm::fixtures::serving(stage)
         }
     }
 

@@ -55,6 +55,8 @@ mod server;
 pub mod transfer;
 
 #[cfg(test)]
+mod fixtures;
+#[cfg(test)]
 mod tests;
 
 pub use config::{DataSource, RunConfig, RunId, StageCosts, SyncMode, Timing};

@@ -226,46 +226,28 @@ impl Role {
         rng: &mut SeededRng,
         now: Duration,
     ) -> Option<Move> {
+        let planned = |at: Option<Duration>| at.is_some_and(|t| now >= t);
+        if now < self.next_rebalance && !planned(self.move_at) {
+            return None;
+        }
+        let gain = timing.rebalance_gain;
+        let mine = (self.phase == Phase::Serving && !busy)
+            .then(|| plan_move(placements, &costs.flops_per_sample, &costs.memory, gain))
+            .flatten()
+            .filter(|m| m.peer == me);
         if now >= self.next_rebalance {
             self.next_rebalance = now + timing.rebalance_every;
-            self.plan(me, placements, costs, timing, busy, rng, now, false);
+            if mine.is_some() {
+                let wait = timing.rebalance_every.as_secs_f64() * 0.5 * rng.next_f64();
+                self.move_at = Some(now + Duration::from_secs_f64(wait));
+            }
         }
-        if self.move_at.is_some_and(|t| now >= t) {
-            self.move_at = None;
-            return self.plan(me, placements, costs, timing, busy, rng, now, true);
-        }
-        None
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn plan(
-        &mut self,
-        me: PeerKey,
-        placements: &[Placement],
-        costs: &StageCosts,
-        timing: &Timing,
-        busy: bool,
-        rng: &mut SeededRng,
-        now: Duration,
-        act: bool,
-    ) -> Option<Move> {
-        if self.phase != Phase::Serving || busy {
+        if !planned(self.move_at) {
             return None;
         }
-        let m = plan_move(
-            placements,
-            &costs.flops_per_sample,
-            &costs.memory,
-            timing.rebalance_gain,
-        )
-        .filter(|m| m.peer == me)?;
-        if !act {
-            let wait = timing.rebalance_every.as_secs_f64() * 0.5 * rng.next_f64();
-            self.move_at = Some(now + Duration::from_secs_f64(wait));
-            return None;
-        }
-        self.moves += 1;
-        Some(m)
+        self.move_at = None;
+        self.moves += u64::from(mine.is_some());
+        mine
     }
 }
 
@@ -369,6 +351,7 @@ pub(super) fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::swarm::fixtures::serving;
     use crate::swarm::message::Announcement;
     use crate::swarm::transfer::chunks;
 
@@ -429,18 +412,8 @@ mod tests {
     fn a_peer_not_measured_yet_counts_as_its_stage_mean_when_choosing() {
         let mut m = Membership::default();
         let a = |stage, throughput| Announcement {
-            stage: Some(stage),
-            state: MemberState::Serving,
             throughput,
-            queue: 0,
-            step: 0,
-            round: 0,
-            params_hash: None,
-            finished: false,
-            loss: None,
-            memory: 0,
-            incarnation: 1,
-            seq: 1,
+            ..serving(stage)
         };
         m.update(PeerKey(1), a(0, 10.0), Duration::ZERO);
         m.update(PeerKey(2), a(0, 0.0), Duration::ZERO);

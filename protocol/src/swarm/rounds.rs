@@ -292,6 +292,31 @@ mod tests {
         )
     }
 
+    /// `r` hears `msg` about round `index` from peer `from`, having completed `round` rounds.
+    #[allow(clippy::too_many_arguments)]
+    fn hear(
+        r: &mut Rounds,
+        out: &mut Outbox,
+        from: u64,
+        index: u64,
+        msg: RoundMsg,
+        round: u64,
+        finished: bool,
+        replicas: Vec<PeerKey>,
+    ) {
+        r.on_message(
+            out,
+            PeerKey(from),
+            key(index),
+            msg,
+            round,
+            finished,
+            replicas,
+            8,
+            MS,
+        );
+    }
+
     /// Messages the current round sends, in order.
     fn sent(r: &mut Rounds) -> Vec<(PeerKey, RoundMsg)> {
         let mut out = Vec::new();
@@ -325,16 +350,15 @@ mod tests {
         let mut r = rounds(2);
         r.begin(key(0), &[PeerKey(3)], 8, Duration::ZERO);
         sent(&mut r);
-        r.on_message(
+        hear(
+            &mut r,
             &mut out,
-            PeerKey(3),
-            key(1),
+            3,
+            1,
             RoundMsg::Join,
             0,
             false,
             vec![PeerKey(3)],
-            8,
-            MS,
         );
         r.finish();
         // As leader of round 1 it starts at once: everyone it expects already joined.
@@ -351,32 +375,30 @@ mod tests {
         );
         // A follower: the invitation of the smaller key to round 1 is followed.
         let mut r = rounds(5);
-        r.on_message(
+        hear(
+            &mut r,
             &mut out,
-            PeerKey(3),
-            key(1),
+            3,
+            1,
             RoundMsg::Join,
             0,
             false,
             vec![PeerKey(3)],
-            8,
-            MS,
         );
         assert!(!r.follow_early_invitation(key(0), 8, MS), "not for round 0");
         assert!(r.follow_early_invitation(key(1), 8, MS));
         assert_eq!(sent(&mut r), [(PeerKey(3), RoundMsg::Join)]);
         // Invitations to rounds long past are not kept.
         let mut r = rounds(5);
-        r.on_message(
+        hear(
+            &mut r,
             &mut out,
-            PeerKey(3),
-            key(1),
+            3,
+            1,
             RoundMsg::Join,
             4,
             false,
             vec![PeerKey(3)],
-            8,
-            MS,
         );
         assert!(!r.active());
         assert!(!r.follow_early_invitation(key(1), 8, MS));
@@ -384,21 +406,7 @@ mod tests {
 
     #[test]
     fn a_round_whose_leader_left_the_stage_fails_at_once() {
-        use crate::swarm::message::{Announcement, MemberState};
-        let a = |stage| Announcement {
-            stage: Some(stage),
-            state: MemberState::Serving,
-            throughput: 1.0,
-            queue: 0,
-            step: 0,
-            round: 0,
-            params_hash: None,
-            finished: false,
-            loss: None,
-            memory: 0,
-            incarnation: 1,
-            seq: 1,
-        };
+        use crate::swarm::fixtures::serving as a;
         let mut m = Membership::default();
         let mut r = rounds(5);
         r.begin(key(0), &[PeerKey(3)], 8, Duration::ZERO);
@@ -430,70 +438,56 @@ mod tests {
         let start = RoundMsg::Start {
             group: vec![PeerKey(3), PeerKey(5)],
         };
-        r.on_message(
-            &mut out,
-            PeerKey(3),
-            key(2),
-            start,
-            2,
-            false,
-            vec![PeerKey(3)],
-            8,
-            MS,
-        );
+        hear(&mut r, &mut out, 3, 2, start, 2, false, vec![PeerKey(3)]);
         assert!(r.active());
         // The round then wants this replica's contribution.
         assert!(matches!(r.poll(), Some((_, RoundOut::NeedContribution))));
         // A join from a larger key to a replica with the smallest: it leads.
         let mut r = rounds(1);
-        r.on_message(
+        hear(
+            &mut r,
             &mut out,
-            PeerKey(3),
-            key(2),
+            3,
+            2,
             RoundMsg::Join,
             2,
             false,
             vec![PeerKey(3)],
-            8,
-            MS,
         );
         assert!(r.active());
         // A finished replica joins nothing; a request for a round it does not have is
         // answered "missing".
         let mut r = rounds(1);
-        r.on_message(
+        hear(
+            &mut r,
             &mut out,
-            PeerKey(3),
-            key(2),
+            3,
+            2,
             RoundMsg::Join,
             2,
             true,
             vec![PeerKey(3)],
-            8,
-            MS,
         );
         assert!(!r.active());
-        r.on_message(
+        hear(
+            &mut r,
             &mut out,
-            PeerKey(3),
-            key(2),
+            3,
+            2,
             RoundMsg::Request { part: 1 },
             2,
             true,
             vec![],
-            8,
-            MS,
         );
-        r.on_message(
+        hear(
+            &mut r,
             &mut out,
-            PeerKey(3),
-            key(2),
+            3,
+            2,
             RoundMsg::Request { part: 1 },
             2,
             false,
             vec![],
-            8,
-            MS,
         );
         assert_eq!(
             out.drain(),

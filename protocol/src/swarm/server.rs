@@ -446,7 +446,7 @@ impl StageServer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::swarm::interface::Action;
+    use crate::swarm::fixtures::{jobs, sends};
 
     const MS: Duration = Duration::from_millis(1);
     const ME: PeerKey = PeerKey(5);
@@ -478,25 +478,6 @@ mod tests {
             targets: vec![0; 6],
             activations: acts,
         }
-    }
-
-    fn sends(out: &mut Outbox) -> Vec<(PeerKey, Message)> {
-        out.drain()
-            .into_iter()
-            .filter_map(|a| match a {
-                Action::Send { to, msg } => Some((to, msg)),
-                _ => None,
-            })
-            .collect()
-    }
-
-    fn jobs(out: &mut Outbox) -> Vec<Job> {
-        let mut jobs = Vec::new();
-        while let Some(j) = out.jobs.next(Duration::ZERO) {
-            jobs.push(j);
-            out.jobs.finished(Duration::ZERO);
-        }
-        jobs
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Unit tests of the step coordinator, each rule fed alone.
 
 use super::*;
-use crate::swarm::interface::Action;
+use crate::swarm::fixtures::{self, at_round, sends};
 
 const MS: Duration = Duration::from_millis(1);
 const ME: PeerKey = PeerKey(5);
@@ -34,42 +34,11 @@ fn serving(sync: SyncMode) -> StepCoordinator {
 }
 
 fn announcement(stage: u32, round: u64, hash: Option<u64>) -> Announcement {
-    Announcement {
-        stage: Some(stage),
-        state: MemberState::Serving,
-        throughput: 1.0,
-        queue: 0,
-        step: round,
-        round,
-        params_hash: hash,
-        finished: false,
-        loss: None,
-        memory: 0,
-        incarnation: 1,
-        seq: 1,
-    }
+    at_round(stage, round, hash)
 }
 
 fn members(list: &[(u64, u32, u64, Option<u64>)]) -> Membership {
-    let mut m = Membership::default();
-    for &(key, stage, round, hash) in list {
-        m.update(
-            PeerKey(key),
-            announcement(stage, round, hash),
-            Duration::ZERO,
-        );
-    }
-    m
-}
-
-fn sends(out: &mut Outbox) -> Vec<(PeerKey, Message)> {
-    out.drain()
-        .into_iter()
-        .filter_map(|a| match a {
-            Action::Send { to, msg } => Some((to, msg)),
-            _ => None,
-        })
-        .collect()
+    fixtures::members(list.iter().map(|&(k, s, r, h)| (k, at_round(s, r, h))))
 }
 
 fn commit(c: &mut StepCoordinator, rows: u32) {
