@@ -123,6 +123,9 @@ pub(super) struct StepCoordinator {
     starve_check: Option<Duration>,
     /// No round starts before this (see the module docs).
     settle_until: Option<Duration>,
+    /// When to try again a round that failed for this replica (see
+    /// [`StepCoordinator::drain_round`]).
+    retry_at: Option<Duration>,
     rounds: Rounds,
     /// State requests answered once the current round is applied.
     deferred_exports: Vec<PeerKey>,
@@ -156,6 +159,7 @@ impl StepCoordinator {
             catch_up: CatchUp::default(),
             starve_check: None,
             settle_until: None,
+            retry_at: None,
             deferred_exports: Vec::new(),
             stats: StepStats::default(),
         }
@@ -208,6 +212,7 @@ impl StepCoordinator {
             self.catch_up.deadline(),
             self.starve_check,
             self.settle_until,
+            self.retry_at,
         ]
         .into_iter()
         .flatten()
@@ -485,6 +490,10 @@ impl StepCoordinator {
             self.maybe_begin_round(out, stage, members, next_waiting, now);
             self.settle_until = None;
         }
+        if self.retry_at.is_some_and(|t| now >= t) {
+            self.retry_at = None;
+            self.maybe_begin_round(out, stage, members, next_waiting, now);
+        }
         self.catch_up.expire(now)
     }
 
@@ -626,22 +635,28 @@ impl StepCoordinator {
 
     /// Carries out what the current round wants: its messages, the request for this
     /// replica's contribution, and applying its result. A round of `stage` whose leader left
-    /// the stage before starting it fails now. Returns whether the round failed: the
-    /// replica then tries the round again (see [`StepCoordinator::maybe_begin_round`]), or it
-    /// would wait for a trigger that may never come (its batch is complete, so no more
-    /// samples arrive).
+    /// the stage before starting it fails now.
+    ///
+    /// Failed-round retry: a replica whose round failed looks at it again one announcement
+    /// period later, by which it has heard whether the others finished that round (then it
+    /// catches up) or not (then it starts the round again among the replicas still there).
+    /// Without this, a replica whose batch is complete waits for a trigger that never comes:
+    /// no more samples arrive for it.
     pub fn drain_round(
         &mut self,
         out: &mut Outbox,
         stage: Option<u32>,
         members: &Membership,
-    ) -> bool {
+        now: Duration,
+    ) {
+        let retry = now + self.settings.timing.announce_every;
         if let Some(key) = stage.and_then(|s| self.rounds.leader_gone(s, members)) {
             out.event(Event::RoundFailed {
                 round: key.index,
                 reason: "the round's leader left the stage",
             });
-            return true;
+            self.retry_at = Some(retry);
+            return;
         }
         while let Some((key, o)) = self.rounds.poll() {
             match o {
@@ -674,11 +689,11 @@ impl StepCoordinator {
                         reason,
                     });
                     self.rounds.fail();
-                    return true;
+                    self.retry_at = Some(retry);
+                    return;
                 }
             }
         }
-        false
     }
 
     /// This replica's contribution to the round is computed: the sum of its gradients over
@@ -797,6 +812,7 @@ impl StepCoordinator {
     /// rounds must not answer for the next one.
     pub fn abandon(&mut self, out: &mut Outbox) {
         self.catch_up.abandon();
+        self.retry_at = None;
         self.applying_round = false;
         self.last_loss = None;
         if let Some(key) = self.rounds.abandon() {

@@ -42,7 +42,8 @@ pub enum MemberState {
 /// A peer's periodic announcement (gossip).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Announcement {
-    /// The stage it serves or is syncing (none while choosing).
+    /// The stage it serves or is syncing; while choosing, the stage its operator told it to
+    /// take first, if any (so that peers choosing together count it there).
     pub stage: Option<u32>,
     /// What it is doing.
     pub state: MemberState,

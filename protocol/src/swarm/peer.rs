@@ -6,16 +6,16 @@
 //! What one part needs of another passes through here as plain values (the stage served, the
 //! round being collected, what the step demands of a driver), so that each part can be
 //! tested alone. Every deadline lives in the part it belongs to; [`Peer::poll_timeout`] is the
-//! earliest of them. The peer itself keeps only the membership, the run's settings, its
-//! announcements and the random generator every part draws from (one generator, so that a
-//! seed fixes every choice). The microbatch path is in `peer/microbatch.rs`.
+//! earliest of them. The peer itself keeps the membership, the run's settings and this
+//! peer's own (memory, routing), its announcements, and the random generator every part draws
+//! from (one generator, so that a seed fixes every choice). The microbatch path is in `peer/microbatch.rs`.
 
 use super::agreement::Resync;
 use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
 use super::coordinator::{Settings, StepCoordinator};
 use super::driver::Driver;
 pub use super::interface::{Action, ComputeDone, Event, Input, Job, Output, PeerStats, Resume};
-use super::membership::{Membership, Placement, Routing, fits};
+use super::membership::{Membership, Placement, Routing};
 use super::message::{Announcement, MemberState, Message, StateChunk};
 use super::outbox::Outbox;
 use super::role::{self, ChunkOutcome, Phase, Role};
@@ -295,10 +295,8 @@ impl Peer {
 
     fn after(&mut self, now: Duration) {
         let stage = self.role.serving();
-        if self.steps.drain_round(&mut self.out, stage, &self.members) {
-            self.maybe_begin_round(now);
-            self.steps.drain_round(&mut self.out, stage, &self.members);
-        }
+        self.steps
+            .drain_round(&mut self.out, stage, &self.members, now);
         self.pump(now);
         if let Some(job) = self.out.jobs.next(now) {
             self.out.push(Action::Compute(job));
@@ -527,25 +525,15 @@ impl Peer {
         }
     }
 
-    /// Takes a stage: the operator's choice if it fits, else the one the run needs most
-    /// (see [`role::choose`]); looks again later if none fits.
+    /// Takes a stage (see [`role::choose`]), or looks again later if none fits.
     fn choose(&mut self, now: Duration) {
-        let need = &self.costs.memory;
-        let chosen = self
-            .role
-            .first_choice()
-            .filter(|s| need.get(*s as usize).is_some_and(|n| fits(self.memory, *n)));
-        if let Some(stage) = chosen {
-            self.sync_from_someone(stage, now);
-            return;
-        }
         let placements = role::placements(&self.members, None, self.config.stages, true);
         let choosers = self
             .members
             .iter()
             .filter(|(_, m)| m.announcement.state == MemberState::Choosing)
-            .map(|(k, m)| (*k, m.announcement.memory))
-            .chain([(self.me, self.memory)])
+            .map(|(k, m)| (*k, m.announcement.memory, m.announcement.stage))
+            .chain([(self.me, self.memory, self.role.first_choice())])
             .collect();
         match role::choose(placements, choosers, &self.costs.memory, self.me) {
             Some(stage) => self.sync_from_someone(stage, now),

@@ -8,7 +8,7 @@
 //! best move is its own, it moves after a random back-off.
 
 use super::config::{StageCosts, Timing};
-use super::membership::{Membership, Move, Placement, choose_stage, plan_move};
+use super::membership::{Membership, Move, Placement, choose_stage, fits, plan_move};
 use super::message::{MemberState, StateChunk};
 use super::transfer::{Download, Downloaded, TransferError};
 use super::{PeerKey, SeededRng};
@@ -114,7 +114,9 @@ impl Role {
     /// How the peer announces itself: its stage and state.
     pub fn announced(&self) -> (Option<u32>, MemberState) {
         match self.phase {
-            Phase::Choosing { .. } => (None, MemberState::Choosing),
+            // Announced while choosing, so that others choosing at the same time play out
+            // the same assignment.
+            Phase::Choosing { .. } => (self.first_choice, MemberState::Choosing),
             Phase::Syncing { .. } => (self.stage, MemberState::Syncing),
             Phase::Serving => (self.stage, MemberState::Serving),
         }
@@ -213,8 +215,8 @@ impl Role {
     /// Rebalancing: at every `timing.rebalance_every`, the move that most raises the slowest
     /// stage's throughput (see [`plan_move`]) is looked for among the measured `placements`;
     /// if it is this peer's, it is made after a random back-off of up to half the period
-    /// (peers that all see the same imbalance must not all move), if it is still the best
-    /// move then. Returns the move to make now.
+    /// (peers that all see the same imbalance must not all move), if it is still the move
+    /// chosen then. Returns the move to make now.
     #[allow(clippy::too_many_arguments)]
     pub fn consider_move(
         &mut self,
@@ -313,17 +315,20 @@ fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
 
 /// The stage `me` takes. Peers that start together would all see the same bottleneck and
 /// pick it together, so every peer choosing now plays out the same assignment of all
-/// `choosers` (key and memory) in key order, each counted at the throughput its stage's
-/// replicas measure, and takes its own slot. None if no stage fits its memory.
+/// `choosers` (key, memory, and the stage an operator told it to take first) in key order:
+/// each takes its first choice if its memory holds it, else the stage the run needs most,
+/// counted at the throughput that stage's replicas measure; this peer takes its own slot.
+/// None if no stage fits its memory.
 pub(super) fn choose(
     mut placements: Vec<Placement>,
-    mut choosers: Vec<(PeerKey, u64)>,
+    mut choosers: Vec<(PeerKey, u64, Option<u32>)>,
     need: &[u64],
     me: PeerKey,
 ) -> Option<u32> {
     choosers.sort_unstable();
-    for (peer, memory) in choosers {
-        let stage = choose_stage(&placements, need, memory);
+    for (peer, memory, first) in choosers {
+        let first = first.filter(|s| need.get(*s as usize).is_some_and(|n| fits(memory, *n)));
+        let stage = first.or_else(|| choose_stage(&placements, need, memory));
         if peer == me {
             return stage;
         }
@@ -391,7 +396,11 @@ mod tests {
     fn joiners_that_choose_together_spread_over_the_stages() {
         // Three peers join an empty run of three stages at once: each plays out the same
         // assignment and takes its own slot.
-        let choosers = vec![(PeerKey(3), 0), (PeerKey(1), 0), (PeerKey(2), 0)];
+        let choosers = vec![
+            (PeerKey(3), 0, None),
+            (PeerKey(1), 0, None),
+            (PeerKey(2), 0, None),
+        ];
         let picks: Vec<Option<u32>> = [1, 2, 3]
             .iter()
             .map(|k| choose(Vec::new(), choosers.clone(), &[0; 3], PeerKey(*k)))
@@ -399,13 +408,31 @@ mod tests {
         assert_eq!(picks, [Some(0), Some(1), Some(2)]);
         // With every stage served, the slowest stage is taken.
         let served = vec![place(7, 0, 10.0), place(8, 1, 2.0), place(9, 2, 10.0)];
-        assert_eq!(choose(served.clone(), vec![(ME, 0)], &[0; 3], ME), Some(1));
+        assert_eq!(
+            choose(served.clone(), vec![(ME, 0, None)], &[0; 3], ME),
+            Some(1)
+        );
         // A second joiner counts the first at stage 1's measured speed: then stage 1 holds
         // 4/s, still the slowest, so both go there.
-        let both = vec![(PeerKey(4), 0), (ME, 0)];
+        let both = vec![(PeerKey(4), 0, None), (ME, 0, None)];
         assert_eq!(choose(served, both, &[0; 3], ME), Some(1));
         // No stage fits: none.
-        assert_eq!(choose(Vec::new(), vec![(ME, 10)], &[20; 3], ME), None);
+        assert_eq!(choose(Vec::new(), vec![(ME, 10, None)], &[20; 3], ME), None);
+        // A peer told to take a stage first takes it, and the others choosing with it count
+        // it there: three peers on three stages, the first pinned to the last stage.
+        let pinned = vec![
+            (PeerKey(1), 0, Some(2)),
+            (PeerKey(2), 0, None),
+            (PeerKey(3), 0, None),
+        ];
+        let picks: Vec<Option<u32>> = [1, 2, 3]
+            .iter()
+            .map(|k| choose(Vec::new(), pinned.clone(), &[0; 3], PeerKey(*k)))
+            .collect();
+        assert_eq!(picks, [Some(2), Some(0), Some(1)]);
+        // A first choice the memory cannot hold is not taken.
+        let small = vec![(ME, 10, Some(1))];
+        assert_eq!(choose(Vec::new(), small, &[5, 20], ME), Some(0));
     }
 
     #[test]

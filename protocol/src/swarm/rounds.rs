@@ -210,7 +210,8 @@ impl Rounds {
     }
 
     /// A round whose start this replica waits for cannot start once its leader no longer
-    /// serves the stage (it moved, re-synced, left or is gone): it fails now rather than at
+    /// serves the stage (it moved, re-synced or left, or its connection closed): it fails now
+    /// rather than at
     /// its deadline, so that the replicas still there can start the round among themselves.
     /// A leader not seen serving yet (its announcement may still be on the way) is waited
     /// for. Returns the failed round's key.

@@ -133,9 +133,12 @@ impl Scheduler {
         self.throughput
     }
 
-    /// Starts measuring again (the peer serves another stage, whose cost differs).
+    /// Starts measuring again from nothing (the peer serves another stage, whose cost
+    /// differs): what was done for the old stage must not be counted for the new one.
     pub fn forget_throughput(&mut self) {
         self.throughput = 0.0;
+        self.busy_s = 0.0;
+        self.rows_done = 0.0;
     }
 }
 
@@ -235,7 +238,13 @@ mod tests {
         s.measure();
         let t = s.throughput();
         assert!(t < 100.0 && t > 50.0, "{t}");
+        // Another stage: nothing measured for the old one carries over.
+        s.enqueue(forward(4));
+        s.next(Duration::ZERO);
+        s.finished(40 * MS);
+        s.count_rows(10);
         s.forget_throughput();
+        s.measure();
         assert_eq!(s.throughput(), 0.0);
     }
 

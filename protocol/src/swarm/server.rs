@@ -353,10 +353,10 @@ impl StageServer {
         bytes
     }
 
-    /// The driver commits a hop: its gradient is added to the step being collected, which is
-    /// the one the hop was started for (a forward pass of a later step waits until this
-    /// replica reaches it, so a hop is never ahead of the step being collected). A hop whose
-    /// backward pass never ran here is aborted.
+    /// The driver commits a hop: its gradient is added to the step being collected. A hop is
+    /// never ahead of that step (a forward pass of a later step waits until this replica
+    /// reaches it), so nothing needs holding here. A hop whose backward pass never ran here
+    /// is aborted.
     pub fn on_commit(&mut self, out: &mut Outbox, attempt: u64) {
         let Some(h) = self.hops.remove(&attempt) else {
             return;

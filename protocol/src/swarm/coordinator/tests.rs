@@ -57,7 +57,7 @@ fn a_round_starts_when_the_stage_holds_the_global_batch() {
     assert!(c.on_progress(PeerKey(9), 0, 4.0, 0.0));
     c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
     assert!(c.in_round());
-    c.drain_round(&mut out, Some(1), &m);
+    c.drain_round(&mut out, Some(1), &m, MS);
     assert_eq!(
         sends(&mut out),
         [(
@@ -76,10 +76,9 @@ fn a_round_starts_when_the_stage_holds_the_global_batch() {
     assert!(!c.in_round());
 }
 
-/// Progress reports from a replica only move forward: one overtaken on the way does not
-/// lower its count, and nonsense is refused.
-/// A round whose leader left the stage before starting it fails at once, and the replica
-/// starts the round again among the replicas still there (its samples are still here).
+/// Failed-round retry: a round whose leader left the stage before starting it fails at once,
+/// and one announcement period later the replica starts the round again among the replicas
+/// still there (its samples are still here).
 #[test]
 fn a_round_whose_leader_left_is_started_again_without_it() {
     let with_leader = members(&[(3, 1, 0, None)]);
@@ -87,20 +86,24 @@ fn a_round_whose_leader_left_is_started_again_without_it() {
     let mut c = serving(SyncMode::AllReduce);
     commit(&mut c, 8);
     c.maybe_begin_round(&mut out, Some(1), &with_leader, None, MS);
-    assert!(
-        !c.drain_round(&mut out, Some(1), &with_leader),
-        "following 3"
-    );
-    assert!(c.in_round());
+    c.drain_round(&mut out, Some(1), &with_leader, MS);
+    assert!(c.in_round(), "following 3");
     let moved = members(&[(3, 2, 0, None)]);
-    assert!(c.drain_round(&mut out, Some(1), &moved), "the round failed");
-    assert!(!c.in_round());
-    c.maybe_begin_round(&mut out, Some(1), &moved, None, MS);
+    c.drain_round(&mut out, Some(1), &moved, 2 * MS);
+    assert!(!c.in_round(), "the round failed");
+    let retry = 2 * MS + timing().announce_every;
+    assert_eq!(c.next_timeout(), Some(retry));
+    assert_eq!(
+        c.handle_timeout(&mut out, Some(1), &moved, None, retry),
+        None
+    );
     assert!(c.in_round(), "alone now, it leads");
-    assert!(!c.drain_round(&mut out, Some(1), &moved));
+    c.drain_round(&mut out, Some(1), &moved, retry);
     assert_eq!(out.jobs.next(MS), Some(Job::TakeGradient));
 }
 
+/// Progress reports from a replica only move forward: one overtaken on the way does not
+/// lower its count, and nonsense is refused.
 #[test]
 fn a_stale_or_invalid_progress_report_is_ignored() {
     let mut c = serving(SyncMode::AllReduce);
@@ -245,12 +248,12 @@ fn state_requests_wait_for_the_round_and_checkpoints_follow_the_schedule() {
     c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
     c.request_export(&mut out, PeerKey(9));
     c.request_export(&mut out, PeerKey(9));
-    c.drain_round(&mut out, Some(1), &m);
+    c.drain_round(&mut out, Some(1), &m, MS);
     // Alone, the round finishes at once once the gradient comes.
     assert_eq!(out.jobs.next(MS), Some(Job::TakeGradient));
     out.jobs.finished(MS);
     assert!(c.on_gradient(vec![1.0; 4], 8.0, MS));
-    c.drain_round(&mut out, Some(1), &m);
+    c.drain_round(&mut out, Some(1), &m, MS);
     assert!(matches!(out.jobs.next(MS), Some(Job::Step { .. })));
     out.jobs.finished(MS);
     assert!(c.on_stepped(&mut out, 11, false));
@@ -259,11 +262,11 @@ fn state_requests_wait_for_the_round_and_checkpoints_follow_the_schedule() {
     assert_eq!(out.jobs.next(MS), None, "step 1: no checkpoint");
     commit(&mut c, 8);
     c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
-    c.drain_round(&mut out, Some(1), &m);
+    c.drain_round(&mut out, Some(1), &m, MS);
     out.jobs.next(MS);
     out.jobs.finished(MS);
     c.on_gradient(vec![1.0; 4], 8.0, MS);
-    c.drain_round(&mut out, Some(1), &m);
+    c.drain_round(&mut out, Some(1), &m, MS);
     out.jobs.next(MS);
     out.jobs.finished(MS);
     c.on_stepped(&mut out, 12, false);
