@@ -207,15 +207,17 @@ fn verify(reports: &[(usize, Value)], run_id: &str) {
     }
 }
 
-/// The loss fell: the first steps of the last stage's longest curve against its last.
+/// The loss fell: the first steps of the last stage's earliest curve against its last. (A
+/// replica that joined the last stage later starts its curve where the others were then.)
 fn loss_fell(reports: &[(usize, Value)], last_stage: u64, what: &str) {
+    let first_step = |r: &Value| r["loss_curve"][0][0].as_u64().unwrap_or(u64::MAX);
     let last = reports
         .iter()
         .map(|(_, r)| r)
         .filter(|r| {
             r["stage"] == last_stage && r["loss_curve"].as_array().is_some_and(|c| c.len() > 20)
         })
-        .max_by_key(|r| r["loss_curve"].as_array().unwrap().len())
+        .min_by_key(|r| first_step(r))
         .unwrap();
     let curve: Vec<f64> = last["loss_curve"]
         .as_array()

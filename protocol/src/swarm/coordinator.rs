@@ -26,21 +26,13 @@ use super::interface::{Event, Job};
 use super::membership::Membership;
 use super::message::{Announcement, MemberState, Message, RoundKey, RoundMsg};
 use super::outbox::Outbox;
+use super::progress::StageProgress;
 use super::rounds::Rounds;
 use crate::Codec;
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// State requests deferred while a round runs, at most.
 const MAX_DEFERRED_EXPORTS: usize = 64;
-
-/// What a replica reported of its progress toward a round.
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Progress {
-    round: u64,
-    samples: f64,
-    in_flight: f64,
-}
 
 /// The run's settings the coordinator decides with.
 #[derive(Clone, Debug)]
@@ -106,7 +98,7 @@ pub(super) struct StepCoordinator {
     /// When a sample was last committed here (or the last contribution was taken).
     last_collected: Duration,
     /// The other replicas' latest progress reports.
-    progress: BTreeMap<PeerKey, Progress>,
+    progress: StageProgress,
     /// A DiLoCo local step is queued.
     local_step_queued: bool,
     /// A round's result (or a catch-up) is being applied.
@@ -147,7 +139,7 @@ impl StepCoordinator {
             losses: (0.0, 0.0),
             last_loss: None,
             last_collected: now,
-            progress: BTreeMap::new(),
+            progress: StageProgress::default(),
             local_step_queued: false,
             applying_round: false,
             inner_steps: 0,
@@ -293,7 +285,7 @@ impl StepCoordinator {
             });
         let drivers = members.replicas(0);
         let (quota, others) = if allreduce {
-            (batch, Some(self.reported(&drivers, round, true)))
+            (batch, Some(self.progress.reported(&drivers, round, true)))
         } else {
             ((batch / (drivers.len() + 1) as f64).max(1.0), None)
         };
@@ -329,49 +321,15 @@ impl StepCoordinator {
         }
     }
 
-    /// A progress report of `from` about a round of its stage. Within a round a replica's
-    /// count only grows, and rounds only advance: a report that arrives after a newer one
-    /// (each message has its own stream) is stale. Returns whether it was taken.
+    /// A progress report of `from` about a round of its stage (see
+    /// [`StageProgress::update`]). Returns whether it was taken.
     pub fn on_progress(&mut self, from: PeerKey, round: u64, samples: f64, in_flight: f64) -> bool {
-        let valid = |x: f64| x.is_finite() && x >= 0.0;
-        let newer = self
-            .progress
-            .get(&from)
-            .is_none_or(|p| round > p.round || (round == p.round && samples >= p.samples));
-        if !(valid(samples) && valid(in_flight) && newer) {
-            return false;
-        }
-        self.progress.insert(
-            from,
-            Progress {
-                round,
-                samples,
-                in_flight,
-            },
-        );
-        true
-    }
-
-    /// Samples `replicas` reported committed toward `round`, and with `in_flight` those they
-    /// have on their way too.
-    fn reported(&self, replicas: &[PeerKey], round: u64, in_flight: bool) -> f64 {
-        replicas
-            .iter()
-            .filter_map(|k| self.progress.get(k))
-            .filter(|p| p.round == round)
-            .map(|p| {
-                if in_flight {
-                    p.samples + p.in_flight
-                } else {
-                    p.samples
-                }
-            })
-            .sum()
+        self.progress.update(from, round, samples, in_flight)
     }
 
     /// A replica is gone: its progress no longer counts.
     pub fn forget(&mut self, peer: PeerKey) {
-        self.progress.remove(&peer);
+        self.progress.forget(peer);
     }
 
     /// A microbatch of `rows` samples (with its loss, last stage) was committed here.
@@ -422,7 +380,7 @@ impl StepCoordinator {
         let replicas = members.replicas(stage);
         match self.settings.sync {
             SyncMode::AllReduce => {
-                let total = self.accumulated + self.reported(&replicas, self.round, false);
+                let total = self.accumulated + self.progress.reported(&replicas, self.round, false);
                 // A stage that lost samples (a replica died with what it had collected, or
                 // re-synced) would wait forever for them: the drivers have moved on, and
                 // every sample they send counts at every stage alike. The evidence is a

@@ -29,7 +29,8 @@
 //!   forward and backward passes, commits, and forwards of later steps held back;
 //! * `coordinator.rs` (`StepCoordinator`): when the stage steps (the batch is complete, or
 //!   it is starving), averaging rounds (`rounds.rs`), DiLoCo, checkpoints; with
-//!   `agreement.rs` for catch-ups and the parameter-hash vote;
+//!   `progress.rs` for the other replicas' progress reports and `agreement.rs` for
+//!   catch-ups and the parameter-hash vote;
 //! * `scheduler.rs` (`Scheduler`): the device's job queue by priority, and the throughput
 //!   measured from it.
 //!
@@ -48,6 +49,7 @@ pub mod membership;
 pub mod message;
 mod outbox;
 pub mod peer;
+mod progress;
 mod role;
 mod rounds;
 mod scheduler;

@@ -102,19 +102,6 @@ fn a_round_whose_leader_left_is_started_again_without_it() {
     assert_eq!(out.jobs.next(MS), Some(Job::TakeGradient));
 }
 
-/// Progress reports from a replica only move forward: one overtaken on the way does not
-/// lower its count, and nonsense is refused.
-#[test]
-fn a_stale_or_invalid_progress_report_is_ignored() {
-    let mut c = serving(SyncMode::AllReduce);
-    assert!(c.on_progress(PeerKey(9), 0, 4.0, 2.0));
-    assert!(!c.on_progress(PeerKey(9), 0, 2.0, 0.0));
-    assert!(c.on_progress(PeerKey(9), 1, 0.0, 0.0));
-    assert!(!c.on_progress(PeerKey(9), 0, 8.0, 0.0));
-    assert!(!c.on_progress(PeerKey(8), 0, f64::NAN, 0.0));
-    assert!(!c.on_progress(PeerKey(8), 0, 1.0, -1.0));
-}
-
 #[test]
 fn a_replica_that_just_started_serving_settles_before_starting_a_round() {
     let m = members(&[]);
