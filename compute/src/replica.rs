@@ -239,6 +239,9 @@ impl<B: Backend> StageReplica<B> {
             .map(|g| *g as f64 * *g as f64)
             .sum::<f64>()
             .sqrt();
+        // A NaN norm would not clip (NaN > clip is false) and AdamW would write NaN into
+        // every parameter: a step with a value that is not finite is refused whole.
+        self.check_finite(grad_norm, "gradient")?;
         let step = self.stage.optimizer_steps();
         let lr = self.schedule.lr(step);
         let scale = self.optimizer.clip_scale(grad_norm);
@@ -285,6 +288,11 @@ impl<B: Backend> StageReplica<B> {
         mu: f32,
     ) -> Result<u64, StageError> {
         self.check_len(avg_pseudo_grad.len())?;
+        let norm = avg_pseudo_grad
+            .iter()
+            .map(|g| *g as f64 * *g as f64)
+            .sum::<f64>();
+        self.check_finite(norm, "pseudo-gradient")?;
         if self.outer_momentum.is_empty() {
             self.outer_momentum = vec![0.0; self.anchor.len()];
         }
@@ -435,6 +443,19 @@ impl<B: Backend> StageReplica<B> {
         } else {
             Vec::new()
         };
+        for (what, values) in [
+            ("parameters", &params),
+            ("first moments", &m),
+            ("second moments", &v),
+            ("anchor", &anchor),
+            ("outer momentum", &outer_momentum),
+        ] {
+            if !values.iter().all(|x| x.is_finite()) {
+                return Err(malformed(&format!(
+                    "its {what} hold values that are not finite"
+                )));
+            }
+        }
 
         self.stage.discard_all();
         self.stage.upload_params(&params)?;
@@ -447,6 +468,18 @@ impl<B: Backend> StageReplica<B> {
         self.anchor = anchor;
         self.outer_momentum = outer_momentum;
         Ok(())
+    }
+
+    /// A sum of squares (or its root) over values is finite exactly when every value is
+    /// finite and none is so large that its square overflows.
+    fn check_finite(&self, sum_of_squares: f64, what: &str) -> Result<(), StageError> {
+        if sum_of_squares.is_finite() {
+            return Ok(());
+        }
+        Err(StageError::BadInput {
+            stage: self.spec().index,
+            reason: format!("the {what} holds values that are not finite"),
+        })
     }
 
     fn check_len(&self, len: usize) -> Result<(), StageError> {

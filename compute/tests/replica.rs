@@ -399,6 +399,39 @@ fn diloco_pseudo_gradient_and_outer_step() {
     assert!(matches!(err, StageError::BadInput { .. }), "{err}");
 }
 
+/// Regression: a NaN in an averaged gradient made `clip_scale` return 1 (NaN > clip is
+/// false) and AdamW wrote NaN into every parameter. Steps and states with values that are
+/// not finite are refused whole, and the parameters stay as they were.
+#[test]
+fn steps_and_states_that_are_not_finite_are_refused() {
+    let mut r = replica(StageSpec { index: 0, count: 2 }, 3);
+    let before = r.param_hash().unwrap();
+    let n = r.param_count();
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut grad = vec![0.0; n];
+        grad[n / 2] = bad;
+        assert!(r.apply_step(&grad).is_err(), "step with {bad}");
+        assert!(r.apply_outer_step(&grad, 0.7, 0.9).is_err(), "outer step with {bad}");
+    }
+    assert_eq!(r.param_hash().unwrap(), before);
+    // A state whose parameters hold a NaN, however well-formed otherwise.
+    let mut state = r.export_state().unwrap();
+    let mut other = replica(StageSpec { index: 0, count: 2 }, 3);
+    let good = state.clone();
+    other.import_state(&good).unwrap();
+    let at = state.len() / 3;
+    let at = at - at % 4;
+    state[at..at + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    // Re-seal the checksum so that only the values are wrong.
+    let body = state.len() - 8;
+    let checksum = xxhash_rust::xxh3::xxh3_64(&state[..body]);
+    state[body..].copy_from_slice(&checksum.to_le_bytes());
+    assert!(matches!(
+        other.import_state(&state),
+        Err(ReplicaError::Malformed(m)) if m.contains("not finite")
+    ));
+}
+
 #[test]
 fn write_atomic_writes_overwrites_and_leaves_no_temp_file() {
     let dir = std::env::temp_dir().join(format!("shoal-write-atomic-{}", std::process::id()));

@@ -116,6 +116,10 @@ pub enum CodecError {
     /// Bytes left over after the message.
     #[error("{0} unexpected bytes after the tensor")]
     TrailingBytes(usize),
+    /// NaN or an infinity among the values: no codec carries them, in either direction (an
+    /// int8 block would quietly turn a NaN into its largest value).
+    #[error("the tensor holds values that are not finite")]
+    NonFinite,
 }
 
 /// How top-k values are stored.
@@ -315,6 +319,9 @@ impl Encoder {
                 input.len(),
                 shape.dims()
             )));
+        }
+        if !all_finite(input) {
+            return Err(CodecError::NonFinite);
         }
         out.clear();
         out.resize(TENSOR_HEADER_LEN, 0);
@@ -568,6 +575,10 @@ impl Decoder {
             }
             dense => decode_dense(dense, payload, out),
         }
+        if !all_finite(out) {
+            out.clear();
+            return Err(CodecError::NonFinite);
+        }
         Ok(header)
     }
 
@@ -735,6 +746,19 @@ impl ErrorFeedback {
             }
         }
         Ok(header)
+    }
+}
+
+multiversion! {
+    /// Whether no value is NaN or infinite (exponent bits all set), without branches so that
+    /// it vectorises: a pass over the tensor at memory speed.
+    fn all_finite(x: &[f32]) -> bool {
+        const EXPONENT: u32 = 0x7f80_0000;
+        let mut special = 0u32;
+        for v in x {
+            special |= u32::from(v.to_bits() & EXPONENT == EXPONENT);
+        }
+        special == 0
     }
 }
 

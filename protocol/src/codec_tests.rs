@@ -230,3 +230,54 @@ fn decoder_rejects_inconsistent_messages() {
         Err(CodecError::UnknownEncoding(9))
     );
 }
+
+/// Replaces a message's payload and its checksum, as a peer could.
+fn with_payload(message: &[u8], payload: &[u8]) -> Vec<u8> {
+    let mut m = message[..TENSOR_HEADER_LEN].to_vec();
+    m[28..36].copy_from_slice(&xxh3_64(payload).to_le_bytes());
+    m.extend_from_slice(payload);
+    m
+}
+
+/// Regression: int8 quietly encoded NaN as its block's largest value, and decoders passed NaN
+/// and infinities on. No codec carries a value that is not finite, in either direction.
+#[test]
+fn values_that_are_not_finite_are_refused_both_ways() {
+    let codecs = [
+        Codec::Fp32,
+        Codec::Fp16,
+        Codec::Bf16,
+        Codec::default(),
+        "topk:10%".parse().unwrap(),
+    ];
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut x = vec![0.5f32; 64];
+        x[17] = bad;
+        for codec in codecs {
+            let mut out = Vec::new();
+            assert_eq!(
+                Encoder::new().encode(codec, &x, &[64], &mut out),
+                Err(CodecError::NonFinite),
+                "{codec} encoding {bad}"
+            );
+        }
+    }
+    // A peer's fp32 message carrying NaN, with a valid checksum.
+    let good = encode_to_vec(Codec::Fp32, &[1.0; 4], &[4]).unwrap();
+    let mut payload = good[TENSOR_HEADER_LEN..].to_vec();
+    payload[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+    let mut y = Vec::new();
+    assert_eq!(
+        Decoder::new().decode(&with_payload(&good, &payload), &mut y),
+        Err(CodecError::NonFinite)
+    );
+    assert!(y.is_empty(), "nothing decoded is left behind");
+    // An int8 block whose scale is infinite.
+    let good = encode_to_vec(Codec::default(), &[1.0; 64], &[64]).unwrap();
+    let mut payload = good[TENSOR_HEADER_LEN..].to_vec();
+    payload[..4].copy_from_slice(&f32::INFINITY.to_le_bytes());
+    assert_eq!(
+        Decoder::new().decode(&with_payload(&good, &payload), &mut y),
+        Err(CodecError::NonFinite)
+    );
+}

@@ -270,6 +270,14 @@ mod tests {
             c.on_answer(PeerKey(9), 4, 1.0, &two, 3),
             Some(Err(_))
         ));
+        // Regression: a NaN in the answer was applied as a step, turning the stage's
+        // parameters into NaN everywhere it spread.
+        c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
+        let nan = fixtures::poisoned(3);
+        assert!(matches!(
+            c.on_answer(PeerKey(9), 4, 1.0, &nan, 3),
+            Some(Err(_))
+        ));
         // No answer by the deadline.
         c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
         assert_eq!(c.deadline(), Some(300 * MS));

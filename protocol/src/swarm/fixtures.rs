@@ -5,6 +5,8 @@ use super::interface::{Action, Job};
 use super::membership::Membership;
 use super::message::{Announcement, MemberState, Message};
 use super::outbox::Outbox;
+use crate::Codec;
+use crate::codec::{TENSOR_HEADER_LEN, encode_to_vec};
 use std::time::Duration;
 
 /// A peer serving `stage` at round 0, measured at 1 sample/s, nothing queued.
@@ -63,4 +65,15 @@ pub fn jobs(out: &mut Outbox) -> Vec<Job> {
         out.jobs.finished(Duration::ZERO);
     }
     jobs
+}
+
+/// A well-formed fp32 tensor message of `n` values (a valid checksum) of which one is NaN:
+/// what a hostile peer can send, since no honest encoder makes it.
+pub fn poisoned(n: usize) -> Vec<u8> {
+    let mut message = encode_to_vec(Codec::Fp32, &vec![0.5; n], &[n]).expect("encodes");
+    let nan = TENSOR_HEADER_LEN + 4 * (n / 2);
+    message[nan..nan + 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    let checksum = xxhash_rust::xxh3::xxh3_64(&message[TENSOR_HEADER_LEN..]);
+    message[28..36].copy_from_slice(&checksum.to_le_bytes());
+    message
 }

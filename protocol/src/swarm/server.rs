@@ -330,7 +330,10 @@ impl StageServer {
         else {
             return;
         };
-        let grad = self.encode(out, codec, &grad.unwrap_or_default());
+        // Nothing sent if it cannot be encoded: the driver's deadline retries the microbatch.
+        let Some(grad) = self.encode(out, codec, &grad.unwrap_or_default()) else {
+            return;
+        };
         out.send(
             prev,
             Message::Backward(Backward {
@@ -341,16 +344,20 @@ impl StageServer {
         );
     }
 
-    /// Encodes a tensor with `codec`; a failure is reported and sends nothing useful.
-    pub fn encode(&mut self, out: &mut Outbox, codec: Codec, values: &[f32]) -> Vec<u8> {
+    /// Encodes a tensor with `codec`; None (reported) if it cannot be, e.g. values that are
+    /// not finite: nothing is sent then.
+    pub fn encode(&mut self, out: &mut Outbox, codec: Codec, values: &[f32]) -> Option<Vec<u8>> {
         let mut bytes = Vec::new();
-        if let Err(e) = self
+        match self
             .encoder
             .encode(codec, values, &[values.len()], &mut bytes)
         {
-            out.event(Event::Warning(format!("encoding failed: {e}")));
+            Ok(_) => Some(bytes),
+            Err(e) => {
+                out.event(Event::Warning(format!("encoding failed: {e}")));
+                None
+            }
         }
-        bytes
     }
 
     /// The driver commits a hop: its gradient is added to the step being collected. A hop is

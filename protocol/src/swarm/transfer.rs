@@ -121,15 +121,20 @@ impl Download {
             .checked_add(chunk.data.len())
             .ok_or(TransferError::OutOfPlace)?;
         let expected_len = (self.bytes.len() - offset.min(self.bytes.len())).min(CHUNK_BYTES);
+        // Every chunk but the one of an empty state starts inside the state: an empty chunk
+        // at the very end (a state whose size is a multiple of the chunk size) is out of
+        // place, not a chunk with no slot.
+        let inside = offset < self.bytes.len() || (offset == 0 && self.bytes.is_empty());
         if !offset.is_multiple_of(CHUNK_BYTES)
+            || !inside
             || end > self.bytes.len()
             || chunk.data.len() != expected_len
         {
             return Err(TransferError::OutOfPlace);
         }
-        if chunk.total > 0 && !self.filled[index] {
+        if let Some(slot) = self.filled.get_mut(index).filter(|f| !**f) {
+            *slot = true;
             self.bytes[offset..end].copy_from_slice(&chunk.data);
-            self.filled[index] = true;
             self.received += chunk.data.len() as u64;
         }
         if self.received < chunk.total {
@@ -172,6 +177,27 @@ mod tests {
         let done = done.unwrap();
         assert_eq!((done.step, done.round), (10, 10));
         assert_eq!(done.bytes, s);
+    }
+
+    /// Regression: an empty chunk at the end of a state whose size is a multiple of the chunk
+    /// size indexed one past the chunk table and crashed the receiver.
+    #[test]
+    fn an_empty_chunk_past_the_end_is_refused_not_a_crash() {
+        let s = state(2 * CHUNK_BYTES);
+        let c = chunks(1, 3, 3, &s);
+        let past = StateChunk {
+            offset: s.len() as u64,
+            data: Vec::new(),
+            ..c[0].clone()
+        };
+        let mut d = Download::new(1, s.len());
+        assert_eq!(d.add(past.clone()), Err(TransferError::OutOfPlace));
+        d.add(c[0].clone()).unwrap();
+        assert_eq!(d.add(past), Err(TransferError::OutOfPlace));
+        // An empty state is still one empty chunk.
+        let empty = chunks(1, 0, 0, &[]);
+        let mut d = Download::new(1, 16);
+        assert!(d.add(empty[0].clone()).unwrap().is_some());
     }
 
     #[test]

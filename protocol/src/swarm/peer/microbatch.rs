@@ -158,10 +158,14 @@ impl Peer {
         };
         let next_stage = self.role.stage().unwrap_or(0) + 1;
         let avoid = self.driver.previous_hop(id);
-        let Some(next) = self
+        let next = self
             .members
-            .route(next_stage, avoid, self.routing, &mut self.rng)
-        else {
+            .route(next_stage, avoid, self.routing, &mut self.rng);
+        let codec = self.config.codecs.activations;
+        let encoded = next.and_then(|_| self.server.encode(&mut self.out, codec, &activations));
+        let (Some(next), Some(activations)) = (next, encoded) else {
+            // No replica of the next stage, or activations that cannot be sent: this attempt
+            // ends here and its driver retries it.
             self.out.compute(Job::Abort { id });
             if owned {
                 self.driver.fail(id, now);
@@ -170,8 +174,6 @@ impl Peer {
             }
             return;
         };
-        let codec = self.config.codecs.activations;
-        let activations = self.server.encode(&mut self.out, codec, &activations);
         if owned {
             self.driver.sent(id, next);
         } else {
