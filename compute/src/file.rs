@@ -2,6 +2,7 @@
 
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
+use std::hash::BuildHasher;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
@@ -13,13 +14,20 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     write(path, bytes, 0o644)
 }
 
-/// [`write_atomic`] for a secret: the file is readable and writable by its owner only, from
-/// its creation on (no moment where others could read it).
-pub fn write_owner_only(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    write(path, bytes, 0o600)
+/// Creates `path` holding `bytes`, for a secret: readable and writable by its owner only from
+/// its first byte on, complete or absent even across a crash, and never in place of a file
+/// that exists (`AlreadyExists` then): the bytes are written to a temporary file, which is
+/// then linked to `path`, an operation that fails rather than replace anything.
+pub fn create_owner_only(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let (dir, name) = dir_and_name(path)?;
+    let (tmp, file) = create_temp(dir, name, 0o600)?;
+    let linked = write_synced(file, bytes).and_then(|()| fs::hard_link(&tmp, path));
+    let _ = fs::remove_file(&tmp);
+    linked?;
+    sync_dir(dir)
 }
 
-fn write(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+fn dir_and_name(path: &Path) -> io::Result<(&Path, &std::ffi::OsStr)> {
     let name = path.file_name().ok_or_else(|| {
         io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -30,6 +38,11 @@ fn write(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
+    Ok((dir, name))
+}
+
+fn write(path: &Path, bytes: &[u8], mode: u32) -> io::Result<()> {
+    let (dir, name) = dir_and_name(path)?;
     let (tmp, file) = create_temp(dir, name, mode)?;
     if let Err(e) = write_synced(file, bytes).and_then(|()| fs::rename(&tmp, path)) {
         // Best effort: the write already failed, and a leftover temp file is harmless.
@@ -44,15 +57,18 @@ fn write_synced(mut file: File, bytes: &[u8]) -> io::Result<()> {
     file.sync_all()
 }
 
-/// Creates a fresh temporary file next to the target. `create_new` makes concurrent writers
-/// (and leftovers of a crashed one) pick distinct names instead of sharing a file.
-/// `mode`: the file's permissions where the platform has them (Unix).
+/// Creates a fresh temporary file next to the target, under a random name. `create_new`
+/// never opens what is there already (a leftover, or a file or link planted under a name
+/// someone guessed), so concurrent writers never share a file. `mode`: the file's
+/// permissions where the platform has them (Unix).
 fn create_temp(dir: &Path, name: &std::ffi::OsStr, mode: u32) -> io::Result<(PathBuf, File)> {
-    let pid = std::process::id();
+    // Random per process (the standard library seeds its hasher keys from the system's
+    // randomness), then distinct per attempt.
+    let random = std::collections::hash_map::RandomState::new();
     for attempt in 0..1000u32 {
         let mut tmp_name = OsString::from(".");
         tmp_name.push(name);
-        tmp_name.push(format!(".{pid}.{attempt}.tmp"));
+        tmp_name.push(format!(".{:016x}.tmp", random.hash_one(attempt)));
         let tmp = dir.join(tmp_name);
         let mut options = OpenOptions::new();
         options.write(true).create_new(true);

@@ -26,7 +26,7 @@ pub mod stage;
 pub use backend::{AnyBackend, Backend, BackendChoice, BackendError, CpuBackend};
 pub use config::{ModelConfig, Preset};
 pub use data::{Batch, Corpus, DataError, DataLoader, Shard};
-pub use file::{write_atomic, write_owner_only};
+pub use file::write_atomic;
 pub use optim::{AdamW, LrSchedule};
 pub use pipeline::{Coupling, LocalPipeline, StepStats, Transit};
 pub use replica::{ReplicaError, StageReplica, exported_state_len};

@@ -411,7 +411,10 @@ fn steps_and_states_that_are_not_finite_are_refused() {
         let mut grad = vec![0.0; n];
         grad[n / 2] = bad;
         assert!(r.apply_step(&grad).is_err(), "step with {bad}");
-        assert!(r.apply_outer_step(&grad, 0.7, 0.9).is_err(), "outer step with {bad}");
+        assert!(
+            r.apply_outer_step(&grad, 0.7, 0.9).is_err(),
+            "outer step with {bad}"
+        );
     }
     assert_eq!(r.param_hash().unwrap(), before);
     // A state whose parameters hold a NaN, however well-formed otherwise.

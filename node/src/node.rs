@@ -49,7 +49,9 @@ pub fn run(args: NodeArgs) -> anyhow::Result<()> {
 
 async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     let key_path = args.identity.clone().unwrap_or_else(identity::default_path);
-    let key = identity::load_or_create(&key_path)?;
+    // Held to the end of the process: the identity's lock.
+    let identity = identity::load_or_create(&key_path)?;
+    let key = identity.key.clone();
     let mut config = NetConfig {
         bootstrap: args.bootstrap.clone(),
         mdns: !args.no_mdns,

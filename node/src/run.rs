@@ -291,7 +291,9 @@ struct Tally {
 
 async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let key_path = args.identity.clone().unwrap_or_else(identity::default_path);
-    let key = identity::load_or_create(&key_path)?;
+    // Held to the end of the process: the identity's lock.
+    let identity = identity::load_or_create(&key_path)?;
+    let key = identity.key.clone();
     let checkpoint = match &args.checkpoint_dir {
         Some(dir) => load_checkpoint(dir)?,
         None => None,
@@ -723,12 +725,9 @@ impl Progress {
             .loss_curve
             .last()
             .map_or("-".to_string(), |(_, l)| format!("{l:.4}"));
-        let replicas: Vec<String> = peer
-            .stage_replicas()
-            .iter()
-            .map(|n| n.to_string())
-            .collect();
-        let line = format!(
+        let counts = peer.stage_replicas();
+        let replicas: Vec<String> = counts.iter().map(|n| n.to_string()).collect();
+        let mut line = format!(
             "stage {}  step {}/{}  loss {}  {:.0} tok/s  peers per stage [{}]",
             peer.stage().map_or("-".into(), |s| s.to_string()),
             peer.step(),
@@ -737,6 +736,17 @@ impl Progress {
             tokens as f64 / dt.max(1e-9),
             replicas.join(" ")
         );
+        // Nothing trains while a stage has no replica: say which, rather than count zeros.
+        let unserved: Vec<String> = (0..counts.len())
+            .filter(|s| counts[*s] == 0)
+            .map(|s| s.to_string())
+            .collect();
+        if !unserved.is_empty() {
+            line.push_str(&format!(
+                "  waiting: no peer serves stage {} yet",
+                unserved.join(", ")
+            ));
+        }
         if self.tty {
             print!("\r\x1b[2K{line}");
             let _ = std::io::Write::flush(&mut std::io::stdout());

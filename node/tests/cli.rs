@@ -228,3 +228,49 @@ fn bench_net_prints_one_json_object() {
         assert!(json[key].as_f64().unwrap() > 0.0, "bench net lacks {key}");
     }
 }
+
+/// Regression: every process on one machine used `~/.shoal/identity.key`, so several were one
+/// peer to the network, never saw each other, and waited forever without a word. A second
+/// process with an identity in use exits at once, naming the file and `--identity`.
+#[test]
+fn a_second_process_with_the_same_identity_exits_naming_the_file() {
+    let dir = std::env::temp_dir().join(format!("shoal-cli-id-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let key = dir.join("shared.key");
+    let key_arg = key.to_str().unwrap();
+    let args = [
+        "node",
+        "--identity",
+        key_arg,
+        "--listen",
+        "/ip4/127.0.0.1/udp/0/quic-v1",
+        "--no-mdns",
+    ];
+    let mut first = Command::new(env!("CARGO_BIN_EXE_shoal"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The first holds the identity once the file exists and is locked.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !key.exists() {
+        assert!(std::time::Instant::now() < deadline, "no identity file");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let started = std::time::Instant::now();
+    let out = shoal(&args);
+    let took = started.elapsed();
+    let _ = first.kill();
+    let _ = first.wait();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the second process ran: {stderr}");
+    assert!(took < std::time::Duration::from_secs(5), "{took:?}");
+    assert!(
+        stderr.contains(key_arg) && stderr.contains("--identity"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
