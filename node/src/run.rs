@@ -47,6 +47,8 @@ struct RunReport {
     rounds_degraded: u64,
     state_transfers: u64,
     moves: u64,
+    /// Messages dropped as protocol violations (each sender and kind is logged once).
+    violations: u64,
     /// Mean loss of the last steps this peer saw as the last stage.
     final_loss: Option<f64>,
     loss_curve: Vec<(u64, f64)>,
@@ -287,6 +289,8 @@ struct Tally {
     stage_history: Vec<u32>,
     step_samples: Vec<f64>,
     finished_at: Option<Instant>,
+    /// Protocol violations by sender and kind: logged the first time, counted after.
+    violations: BTreeMap<(PeerKey, &'static str), u64>,
 }
 
 async fn serve(args: RunArgs) -> anyhow::Result<()> {
@@ -410,7 +414,13 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
 
     let start = Instant::now();
     let now = || start.elapsed();
-    let seed = config.seed ^ me.0;
+    // The protocol's random choices (routing, back-offs, attempt ids) must be unpredictable to
+    // other peers: a secret seed, drawn from the system's randomness (the standard library
+    // seeds its hasher keys from it).
+    let seed = {
+        use std::hash::BuildHasher;
+        std::collections::hash_map::RandomState::new().hash_one(me.0)
+    };
     let mut peer = Peer::new(me, config.clone(), costs, timing, seed, resume, now());
     peer.set_routing(args.routing);
     if let Some(stage) = args.stage {
@@ -545,7 +555,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                         bail!("the compute thread stopped");
                     }
                 }
-                Action::Event(e) => on_event(e, &peer, &mut tally),
+                Action::Event(e) => on_event(e, &peer, &ids, &mut tally),
             }
         }
         if let Some(t) = tally.finished_at {
@@ -620,6 +630,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             rounds_degraded: stats.rounds_degraded,
             state_transfers: stats.state_transfers,
             moves: stats.moves,
+            violations: stats.violations,
             final_loss,
             loss_curve: tally.loss_curve,
             committed_samples: tally.committed,
@@ -644,8 +655,16 @@ fn is_dialable(addr: &Multiaddr) -> bool {
     })
 }
 
-fn on_event(e: Event, peer: &Peer, tally: &mut Tally) {
+fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut Tally) {
     match e {
+        Event::Violation { peer: from, what } => {
+            let count = tally.violations.entry((from, what)).or_default();
+            *count += 1;
+            if *count == 1 {
+                let who = ids.get(&from).map_or(from.to_string(), |p| p.to_string());
+                tracing::warn!("protocol violation by {who}: {what} (dropped; logged once)");
+            }
+        }
         Event::Serving { stage, step, from } => {
             tally.stage_history.push(stage);
             match from {

@@ -13,7 +13,7 @@ use super::message::{MemberState, Message};
 use super::outbox::Outbox;
 use super::server::decode;
 use crate::{Codec, Encoder};
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 /// Bytes of round results kept for replicas that fall behind (at least the last round is
@@ -69,6 +69,9 @@ struct Asked {
 pub(super) struct CatchUp {
     history: RoundHistory,
     asked: Option<Asked>,
+    /// The last round answered to each replica that asked: a round is answered once per
+    /// replica (encoding it copies a parameter-sized vector).
+    answered: BTreeMap<PeerKey, u64>,
     encoder: Encoder,
 }
 
@@ -109,6 +112,10 @@ impl CatchUp {
     /// so the replica that applies it lands on bit-identical parameters), or nothing if it
     /// is no longer kept.
     pub fn answer(&mut self, out: &mut Outbox, to: PeerKey, stage: u32, round: u64) {
+        if self.answered.get(&to).is_some_and(|r| round <= *r) {
+            return;
+        }
+        self.answered.insert(to, round);
         let (samples, data) = match self.history.get(round) {
             Some((values, samples)) => {
                 let mut data = Vec::new();
@@ -170,6 +177,7 @@ impl CatchUp {
     pub fn abandon(&mut self) {
         self.asked = None;
         self.history.rounds.clear();
+        self.answered.clear();
     }
 }
 
@@ -253,6 +261,10 @@ mod tests {
             None,
             "once"
         );
+        // A round is answered once per replica: asking again costs the other side nothing.
+        theirs.answer(&mut their_out, ME, 1, 4);
+        theirs.answer(&mut their_out, ME, 1, 3);
+        assert_eq!(their_out.pop(), None);
     }
 
     #[test]

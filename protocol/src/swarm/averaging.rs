@@ -205,6 +205,12 @@ impl Round {
             || (self.phase == Phase::Done && !self.group.is_empty())
     }
 
+    /// Whether `peer` is in the round's group (or, before the group is fixed, its leader or
+    /// one that joined).
+    pub fn has_member(&self, peer: PeerKey) -> bool {
+        self.group.contains(&peer) || self.joined.contains(&peer) || self.leader == Some(peer)
+    }
+
     /// The leader whose start this follower still waits for, if it waits.
     pub fn awaited_leader(&self) -> Option<PeerKey> {
         self.leader.filter(|_| self.phase == Phase::AwaitStart)
@@ -324,7 +330,8 @@ impl Round {
                 self.joined.insert(from);
                 self.maybe_start(now, false);
             }
-            (Phase::AwaitStart, RoundMsg::Start { group }) => {
+            // Only the leader this member follows starts its round.
+            (Phase::AwaitStart, RoundMsg::Start { group }) if Some(from) == self.leader => {
                 let mut sorted = group.clone();
                 sorted.sort();
                 sorted.dedup();
@@ -352,7 +359,12 @@ impl Round {
                 },
             ) => {
                 let Some(me) = self.my_index() else { return };
-                if part as usize != me || self.owned_done || !self.group.contains(&from) {
+                // One share per member: a repeat (or a replay) does not replace the first.
+                if part as usize != me
+                    || self.owned_done
+                    || !self.group.contains(&from)
+                    || self.shares.contains_key(&from)
+                {
                     return;
                 }
                 if !(samples.is_finite() && samples >= 0.0) || loss.is_some_and(|l| !l.is_finite())
@@ -376,10 +388,13 @@ impl Round {
                 },
             ) => {
                 let j = part as usize;
-                if j >= self.group.len()
-                    || self.averaged[j].is_some()
-                    || !self.group.contains(&from)
-                {
+                // While exchanging, a part comes from its owner; once filling, from any
+                // member asked for it (the owner went quiet).
+                let sender_may = match self.phase {
+                    Phase::Exchanging => self.group.get(j) == Some(&from),
+                    _ => self.group.contains(&from),
+                };
+                if j >= self.group.len() || self.averaged[j].is_some() || !sender_may {
                     return;
                 }
                 let expect = self.range(j).len();

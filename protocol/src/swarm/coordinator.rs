@@ -31,9 +31,6 @@ use super::rounds::Rounds;
 use crate::Codec;
 use std::time::Duration;
 
-/// State requests deferred while a round runs, at most.
-const MAX_DEFERRED_EXPORTS: usize = 64;
-
 /// The run's settings the coordinator decides with.
 #[derive(Clone, Debug)]
 pub(super) struct Settings {
@@ -119,8 +116,6 @@ pub(super) struct StepCoordinator {
     /// [`StepCoordinator::drain_round`]).
     retry_at: Option<Duration>,
     rounds: Rounds,
-    /// State requests answered once the current round is applied.
-    deferred_exports: Vec<PeerKey>,
     stats: StepStats,
 }
 
@@ -152,7 +147,6 @@ impl StepCoordinator {
             starve_check: None,
             settle_until: None,
             retry_at: None,
-            deferred_exports: Vec::new(),
             stats: StepStats::default(),
         }
     }
@@ -553,18 +547,6 @@ impl StepCoordinator {
         }
     }
 
-    /// Another replica wants this stage's state: exported now, or once the round under way
-    /// is applied (state taken mid-round would not match the other replicas').
-    pub fn request_export(&mut self, out: &mut Outbox, to: PeerKey) {
-        if !self.rounds.active() {
-            out.compute(Job::Export { to });
-        } else if !self.deferred_exports.contains(&to)
-            && self.deferred_exports.len() < MAX_DEFERRED_EXPORTS
-        {
-            self.deferred_exports.push(to);
-        }
-    }
-
     /// A round message of this replica's stage (see [`Rounds::on_message`]).
     #[allow(clippy::too_many_arguments)]
     pub fn on_round(
@@ -576,6 +558,16 @@ impl StepCoordinator {
         msg: RoundMsg,
         now: Duration,
     ) {
+        // Rounds are among a stage's replicas: a message from a peer that neither serves the
+        // stage nor is a member of the round it is about changes nothing.
+        let replica = members.get(from).is_some_and(|m| m.serves(key.stage));
+        if !replica && !self.rounds.has_member(key, from) {
+            out.violation(
+                from,
+                "a round message from a peer that is not a replica of the stage",
+            );
+            return;
+        }
         let len = self.params(key.stage);
         let replicas = members.replicas(key.stage);
         self.rounds.on_message(
@@ -681,9 +673,9 @@ impl StepCoordinator {
         }
     }
 
-    /// A step was taken; the parameters now hash to `hash`. Closes the round it applied
-    /// (its deferred state exports go out), reports the step, and queues a checkpoint on
-    /// the schedule. Returns whether a round closed.
+    /// A step was taken; the parameters now hash to `hash`. Closes the round it applied,
+    /// reports the step, and queues a checkpoint on the schedule. Returns whether a round
+    /// closed.
     pub fn on_stepped(&mut self, out: &mut Outbox, hash: u64, last_stage: bool) -> bool {
         let from_round = std::mem::take(&mut self.applying_round);
         let mut group = 1;
@@ -710,9 +702,6 @@ impl StepCoordinator {
             group = self.round_group;
             self.params_hash = Some(hash);
             self.rounds.finish();
-            for to in std::mem::take(&mut self.deferred_exports) {
-                out.compute(Job::Export { to });
-            }
         }
         let loss = match self.settings.sync {
             SyncMode::AllReduce => self.round_loss.take().map(|l| l as f32),

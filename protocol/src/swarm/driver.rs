@@ -58,7 +58,10 @@ pub(super) struct Demand {
 pub(super) struct Driver {
     ledger: Ledger,
     next_microbatch: u64,
-    next_attempt: u64,
+    /// Where attempt ids come from: drawn from the peer's secret seed, so that no one else
+    /// can predict them (a forged forward pass carrying a driver's next id would get the real
+    /// one refused as a repeat).
+    ids: SeededRng,
     /// Routes of this driver's attempts whose backward pass was accepted, to commit along.
     routes: BTreeMap<u64, Vec<PeerKey>>,
     /// Round trip of a microbatch, a moving average (0: none yet); deadlines follow it.
@@ -73,12 +76,13 @@ pub(super) struct Driver {
 }
 
 impl Driver {
-    /// A driver with nothing in flight; the run counts as advancing from `now`.
-    pub fn new(now: Duration) -> Self {
+    /// A driver with nothing in flight, drawing attempt ids from `secret`; the run counts as
+    /// advancing from `now`.
+    pub fn new(secret: u64, now: Duration) -> Self {
         Driver {
             ledger: Ledger::default(),
             next_microbatch: 0,
-            next_attempt: 0,
+            ids: SeededRng::new(secret),
             routes: BTreeMap::new(),
             rtt: 0.0,
             rtt_floor: (f64::INFINITY, f64::INFINITY, 0),
@@ -226,9 +230,9 @@ impl Driver {
     ) {
         let microbatch = self.next_microbatch;
         self.next_microbatch += 1;
-        self.next_attempt += 1;
-        let id = attempt_id(me, self.next_attempt);
-        let sample = attempt_id(PeerKey(me.0 ^ 0x5A5A_5A5A), microbatch);
+        let id = self.ids.next_u64();
+        // Samples need no secret: a driver's are its own and never repeat.
+        let sample = sample_of(me, microbatch);
         let deadline = now + self.microbatch_deadline(timing);
         self.ledger
             .start(microbatch, sample, rows, round, id, now, deadline);
@@ -242,14 +246,12 @@ impl Driver {
 
     /// Retries the microbatches whose attempt timed out (same sample, new attempt id), and
     /// drops those out of attempts: their attempts are aborted here and at their first hop.
-    pub fn expire(&mut self, out: &mut Outbox, me: PeerKey, timing: &Timing, now: Duration) {
+    pub fn expire(&mut self, out: &mut Outbox, timing: &Timing, now: Duration) {
         let deadline = self.microbatch_deadline(timing);
-        let mut n = self.next_attempt;
-        let expired = self.ledger.expire(now, timing.max_attempts, deadline, || {
-            n += 1;
-            attempt_id(me, n)
-        });
-        self.next_attempt = n;
+        let ids = &mut self.ids;
+        let expired = self
+            .ledger
+            .expire(now, timing.max_attempts, deadline, || ids.next_u64());
         for e in expired {
             match e {
                 Expiry::Retry {
@@ -447,9 +449,10 @@ fn deal(items: u64, weights: &[f64]) -> Vec<u64> {
     dealt
 }
 
-/// A swarm-unique id for an attempt (or a sample): a mix of the peer and a counter.
-fn attempt_id(me: PeerKey, n: u64) -> u64 {
-    SeededRng::new(me.0 ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
+/// The first sample of a driver's `microbatch`-th microbatch: a mix of the driver and a
+/// counter, unique over the swarm.
+fn sample_of(me: PeerKey, microbatch: u64) -> u64 {
+    SeededRng::new((me.0 ^ 0x5A5A_5A5A) ^ microbatch.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
 }
 
 /// Microbatches a driver keeps in flight: as many as the pipeline's round trip needs to keep
@@ -568,7 +571,7 @@ mod tests {
 
     #[test]
     fn a_driver_starts_its_share_of_the_step_within_its_window() {
-        let mut d = Driver::new(Duration::ZERO);
+        let mut d = Driver::new(7, Duration::ZERO);
         assert_eq!(
             pump(&mut d, &demand(), 3, Duration::ZERO).len(),
             3,
@@ -581,7 +584,7 @@ mod tests {
         );
         assert_eq!(d.in_flight(), 4);
         // Every microbatch counts toward the round being collected, with a distinct sample.
-        let mut d = Driver::new(Duration::ZERO);
+        let mut d = Driver::new(7, Duration::ZERO);
         let started = pump(&mut d, &demand(), 16, Duration::ZERO);
         assert!(started.iter().all(|s| s.1 == 3));
         let mut samples: Vec<u64> = started.iter().map(|s| s.0).collect();
@@ -594,7 +597,7 @@ mod tests {
     /// gone or slow), but never beyond it.
     #[test]
     fn a_stalled_step_is_filled_up_to_the_quota_by_any_driver() {
-        let mut d = Driver::new(Duration::ZERO);
+        let mut d = Driver::new(7, Duration::ZERO);
         assert_eq!(pump(&mut d, &demand(), 16, Duration::ZERO).len(), 4);
         assert_eq!(d.next_timeout(), Some(Duration::from_millis(100)));
         assert!(pump(&mut d, &demand(), 16, 50 * MS).is_empty());
@@ -606,7 +609,7 @@ mod tests {
         assert_eq!(pump(&mut d, &demand(), 16, 160 * MS).len(), 4);
         assert!(pump(&mut d, &demand(), 16, 500 * MS).is_empty(), "quota");
         // What other drivers claimed counts toward the quota.
-        let mut d = Driver::new(Duration::ZERO);
+        let mut d = Driver::new(7, Duration::ZERO);
         let others = Demand {
             others: Some(12.0),
             ..demand()
@@ -622,7 +625,7 @@ mod tests {
             ahead: Some(1),
             ..demand()
         };
-        let mut d = Driver::new(Duration::ZERO);
+        let mut d = Driver::new(7, Duration::ZERO);
         assert!(pump(&mut d, &ahead, 16, 50 * MS).is_empty());
         assert_eq!(d.next_timeout(), Some(100 * MS));
         assert_eq!(pump(&mut d, &ahead, 16, 100 * MS), [(d_sample(0), 1)]);
@@ -633,7 +636,7 @@ mod tests {
     }
 
     fn d_sample(microbatch: u64) -> u64 {
-        attempt_id(PeerKey(ME.0 ^ 0x5A5A_5A5A), microbatch)
+        sample_of(ME, microbatch)
     }
 
     #[test]
@@ -642,7 +645,7 @@ mod tests {
             blocked: true,
             ..demand()
         };
-        let mut d = Driver::new(Duration::ZERO);
+        let mut d = Driver::new(7, Duration::ZERO);
         assert!(pump(&mut d, &blocked, 16, Duration::from_secs(9)).is_empty());
         // In DiLoCo only this replica's own samples count.
         let diloco = Demand {
@@ -658,7 +661,7 @@ mod tests {
     #[test]
     fn a_timed_out_microbatch_is_retried_on_the_same_sample_then_dropped() {
         let t = timing();
-        let mut d = Driver::new(Duration::ZERO);
+        let mut d = Driver::new(7, Duration::ZERO);
         let mut out = Outbox::new(ME);
         d.pump(&mut out, ME, &demand(), 1, 2, &t, Duration::ZERO);
         let Some(Job::Forward { id: first, .. }) = out.jobs.next(Duration::ZERO) else {
@@ -667,7 +670,7 @@ mod tests {
         out.jobs.finished(Duration::ZERO);
         d.sent(first, PeerKey(7));
         assert_eq!(d.next_timeout(), Some(t.microbatch_deadline));
-        d.expire(&mut out, ME, &t, t.microbatch_deadline);
+        d.expire(&mut out, &t, t.microbatch_deadline);
         let Some(Job::Forward {
             id: retry, input, ..
         }) = out.jobs.next(Duration::ZERO)
@@ -683,7 +686,7 @@ mod tests {
             "the retry avoids it"
         );
         // Out of attempts: both attempts are aborted, the first also at its first hop.
-        d.expire(&mut out, ME, &t, 2 * t.microbatch_deadline);
+        d.expire(&mut out, &t, 2 * t.microbatch_deadline);
         let mut aborted = Vec::new();
         while let Some(job) = out.jobs.next(Duration::ZERO) {
             aborted.push(job);
@@ -706,7 +709,7 @@ mod tests {
     #[test]
     fn the_first_attempt_home_is_committed_along_its_route_once() {
         let t = timing();
-        let mut d = Driver::new(Duration::ZERO);
+        let mut d = Driver::new(7, Duration::ZERO);
         let mut out = Outbox::new(ME);
         d.pump(&mut out, ME, &demand(), 1, 2, &t, Duration::ZERO);
         let Some(Job::Forward { id, .. }) = out.jobs.next(Duration::ZERO) else {
@@ -744,6 +747,25 @@ mod tests {
         assert!(d.commit(&mut out, id, 50 * MS).is_none(), "at most once");
         // The round trip sets the deadline once it exceeds the configured floor.
         assert_eq!(d.microbatch_deadline(&t), t.microbatch_deadline);
+    }
+
+    /// Attempt ids come from the peer's secret: the same key with another secret draws other
+    /// ids, so knowing a driver's key and how many microbatches it started predicts nothing.
+    #[test]
+    fn attempt_ids_cannot_be_predicted_from_the_key() {
+        let first_id = |secret| {
+            let mut d = Driver::new(secret, Duration::ZERO);
+            let mut out = Outbox::new(ME);
+            d.pump(&mut out, ME, &demand(), 1, 2, &timing(), Duration::ZERO);
+            match out.jobs.next(Duration::ZERO) {
+                Some(Job::Forward { id, input, .. }) => (id, input),
+                other => panic!("{other:?}"),
+            }
+        };
+        let (a, sample_a) = first_id(1);
+        let (b, sample_b) = first_id(2);
+        assert_ne!(a, b);
+        assert_eq!(sample_a, sample_b, "the data does not depend on the secret");
     }
 
     #[test]

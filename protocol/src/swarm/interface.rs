@@ -229,6 +229,15 @@ pub enum Event {
     Finished,
     /// Something went wrong that the protocol handled.
     Warning(String),
+    /// A peer broke the protocol (a message out of its role, out of range, or not finite):
+    /// the message was dropped and nothing changed. Attributed to the sender's key, so that
+    /// the owner can log it and count it toward a ban.
+    Violation {
+        /// Who sent it.
+        peer: PeerKey,
+        /// What was wrong.
+        what: &'static str,
+    },
 }
 
 /// What the peer wants done.
@@ -279,4 +288,6 @@ pub struct PeerStats {
     pub state_transfers: u64,
     /// Stage moves.
     pub moves: u64,
+    /// Messages dropped as protocol violations (see [`Event::Violation`]).
+    pub violations: u64,
 }

@@ -43,6 +43,7 @@ pub mod averaging;
 pub mod config;
 mod coordinator;
 mod driver;
+mod exports;
 mod interface;
 pub mod ledger;
 pub mod membership;

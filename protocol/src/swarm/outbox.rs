@@ -15,6 +15,8 @@ pub(super) struct Outbox {
     actions: VecDeque<Action>,
     /// Compute jobs waiting for the device.
     pub jobs: Scheduler,
+    /// Protocol violations reported so far.
+    pub violations: u64,
 }
 
 impl Outbox {
@@ -24,6 +26,7 @@ impl Outbox {
             me,
             actions: VecDeque::new(),
             jobs: Scheduler::default(),
+            violations: 0,
         }
     }
 
@@ -37,6 +40,13 @@ impl Outbox {
     /// Tells the owner something.
     pub fn event(&mut self, e: Event) {
         self.actions.push_back(Action::Event(e));
+    }
+
+    /// `peer` broke the protocol: its message is dropped (by the caller) and this is
+    /// reported to the owner, attributed to it.
+    pub fn violation(&mut self, peer: PeerKey, what: &'static str) {
+        self.violations += 1;
+        self.event(Event::Violation { peer, what });
     }
 
     /// Queues a compute job.

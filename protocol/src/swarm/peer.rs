@@ -14,6 +14,7 @@ use super::agreement::Resync;
 use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
 use super::coordinator::{Settings, StepCoordinator};
 use super::driver::Driver;
+use super::exports::StateExports;
 pub use super::interface::{Action, ComputeDone, Event, Input, Job, Output, PeerStats, Resume};
 use super::membership::{Membership, Placement, Routing};
 use super::message::{Announcement, MemberState, Message, StateChunk};
@@ -49,6 +50,7 @@ pub struct Peer {
     driver: Driver,
     server: StageServer,
     steps: StepCoordinator,
+    exports: StateExports,
     finish_reported: bool,
     out: Outbox,
 }
@@ -81,9 +83,10 @@ impl Peer {
             rng,
             members: Membership::default(),
             role: Role::joining(&timing, now),
-            driver: Driver::new(now),
+            driver: Driver::new(seed.rotate_left(29) ^ me.0 ^ 0xD121_7E55_A77E_4D15, now),
             server: StageServer::default(),
             steps: StepCoordinator::new(settings, config.codecs.averaging, now),
+            exports: StateExports::new(timing.transfer_timeout),
             finish_reported: false,
             out: Outbox::new(me),
             config,
@@ -194,6 +197,7 @@ impl Peer {
             rounds_degraded: steps.rounds_degraded,
             state_transfers: self.role.state_transfers,
             moves: self.role.moves,
+            violations: self.out.violations,
         }
     }
 
@@ -318,16 +322,31 @@ impl Peer {
             Message::Announce(a) => self.on_announce(from, a, now),
             Message::Forward(f) => self.on_forward(from, f, now),
             Message::Backward(b) => self.on_backward(from, b, now),
-            Message::Commit { id } => self.server.on_commit(out, id),
-            Message::Abort { id } => self.server.on_abort(out, id),
-            Message::Reject { id } => self.driver.fail(id, now),
+            Message::Commit { id } => self.server.on_commit(out, from, id),
+            Message::Abort { id } => self.server.on_abort(out, from, id),
+            Message::Reject { id } => {
+                // Any hop of the route may reject, and the driver knows only the first; a
+                // rejection from a peer that serves no stage is not a hop's.
+                if self
+                    .members
+                    .get(from)
+                    .is_some_and(|m| m.announcement.stage.is_some())
+                {
+                    self.driver.fail(id, now);
+                } else {
+                    out.violation(from, "a rejection from a peer that serves no stage");
+                }
+            }
             Message::Progress {
                 stage,
                 round,
                 samples,
                 in_flight,
             } => {
-                if self.role.stage() == Some(stage)
+                if !self.members.get(from).is_some_and(|m| m.serves(stage)) {
+                    // Counting it would let anyone close a stage's round early.
+                    out.violation(from, "a progress report from a peer that is not a replica");
+                } else if self.role.stage() == Some(stage)
                     && self.steps.on_progress(from, round, samples, in_flight)
                 {
                     self.maybe_begin_round(now);
@@ -339,13 +358,21 @@ impl Peer {
                 }
             }
             Message::StateRequest { stage } => {
-                if self.role.serving() == Some(stage) {
-                    self.steps.request_export(out, from);
+                if self.members.get(from).is_none() {
+                    out.violation(
+                        from,
+                        "a state request from a peer that never announced itself",
+                    );
+                } else if self.role.serving() == Some(stage) {
+                    let in_round = self.steps.in_round();
+                    self.exports.request(out, from, in_round, now);
                 }
             }
             Message::StateChunk(c) => self.on_chunk(from, c, now),
             Message::CatchUpRequest { stage, round } => {
-                if self.role.serving() == Some(stage) {
+                if !self.members.get(from).is_some_and(|m| m.serves(stage)) {
+                    out.violation(from, "a catch-up request from a peer that is not a replica");
+                } else if self.role.serving() == Some(stage) {
                     self.steps.answer_catch_up(out, from, stage, round);
                 }
             }
@@ -410,8 +437,7 @@ impl Peer {
             _ => {}
         }
         if self.is_driver() {
-            self.driver
-                .expire(&mut self.out, self.me, &self.timing, now);
+            self.driver.expire(&mut self.out, &self.timing, now);
         }
         self.server.expire(&mut self.out, now);
         let next_waiting = self.server.next_step_waiting_since(self.steps.round());
@@ -470,6 +496,8 @@ impl Peer {
                         self.out.send(to, Message::StateChunk(c));
                     }
                 }
+                let in_round = self.steps.in_round();
+                self.exports.done(&mut self.out, in_round, now);
             }
             ComputeDone::Done => {
                 if let Running::Commit(id) = running {
@@ -491,6 +519,10 @@ impl Peer {
                     }
                     Running::Commit(id) => {
                         self.server.committed(id);
+                    }
+                    Running::Export => {
+                        let in_round = self.steps.in_round();
+                        self.exports.done(out, in_round, now);
                     }
                     Running::Other => {}
                 }
@@ -652,6 +684,10 @@ impl Peer {
         self.driver.note_advance(now);
         let last = self.is_last_stage();
         let closed = self.steps.on_stepped(&mut self.out, hash, last);
+        if closed {
+            // State requests that came during the round are served now.
+            self.exports.resume(&mut self.out, false, now);
+        }
         if closed && self.allreduce() {
             self.release_held_forwards(now);
         }

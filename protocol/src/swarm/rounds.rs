@@ -230,6 +230,14 @@ impl Rounds {
         Some(key)
     }
 
+    /// Whether `peer` is a member of round `key` (current or last) as this replica knows it.
+    pub fn has_member(&self, key: RoundKey, peer: PeerKey) -> bool {
+        [self.current.as_ref(), self.last.as_ref()]
+            .into_iter()
+            .flatten()
+            .any(|r| r.key() == key && r.has_member(peer))
+    }
+
     /// Time passed.
     pub fn handle_timeout(&mut self, now: Duration) {
         if let Some(r) = self.current.as_mut() {

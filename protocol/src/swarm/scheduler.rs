@@ -16,6 +16,8 @@ pub(super) enum Running {
     Microbatch(u64),
     /// The commit of this attempt's gradient.
     Commit(u64),
+    /// An export of the stage's state.
+    Export,
     /// Anything else (state work, steps, averaging contributions).
     Other,
 }
@@ -69,6 +71,7 @@ impl Scheduler {
         let running = match &job {
             Job::Forward { id, .. } | Job::Backward { id, .. } => Running::Microbatch(*id),
             Job::Commit { id } => Running::Commit(*id),
+            Job::Export { .. } => Running::Export,
             _ => Running::Other,
         };
         self.running = Some((now, running));

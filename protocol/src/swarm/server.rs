@@ -162,13 +162,32 @@ impl StageServer {
     ) -> Arrival {
         let here = f.route.len() as u32;
         let driver = f.route.first().copied().unwrap_or(from);
-        let ok = at.stage == Some(here)
-            && f.route.last() == Some(&from)
-            && f.rows >= 1
-            && f.rows <= at.microbatch
-            && f.targets.len() == f.rows as usize * at.seq as usize
-            && !self.hops.contains_key(&f.id);
-        if !ok {
+        // What no honest peer sends: the sender not the route's last peer, a size outside
+        // the run's, a repeated attempt id, a step more than one ahead of this replica (no
+        // driver starts a microbatch before the step before it is applied).
+        let forged = if f.route.last() != Some(&from) {
+            Some("a forward pass whose route does not end with its sender")
+        } else if f.rows == 0
+            || f.rows > at.microbatch
+            || f.targets.len() != f.rows as usize * at.seq as usize
+        {
+            Some("a forward pass of a size outside the run's")
+        } else if self.hops.contains_key(&f.id) {
+            Some("a forward pass repeating an attempt id")
+        } else if at
+            .round
+            .is_some_and(|round| f.round > round.saturating_add(1))
+        {
+            Some("a forward pass for a step more than one ahead")
+        } else {
+            None
+        };
+        if let Some(what) = forged {
+            out.violation(from, what);
+        }
+        // Not for this stage (the sender's view of the membership is a little old, or this
+        // replica is syncing): an honest miss, the driver retries elsewhere.
+        if forged.is_some() || at.stage != Some(here) {
             out.send(driver, Message::Reject { id: f.id });
             return Arrival::Rejected;
         }
@@ -186,7 +205,10 @@ impl StageServer {
         }
         let expect = at.activation_values * f.rows as usize;
         let Some(acts) = decode(&f.activations, expect).filter(|a| a.len() == expect) else {
-            out.event(Event::Warning(format!("bad activations from {from}")));
+            out.violation(
+                from,
+                "activations malformed, of the wrong size or not finite",
+            );
             out.send(driver, Message::Reject { id: f.id });
             return Arrival::Rejected;
         };
@@ -364,7 +386,10 @@ impl StageServer {
     /// never ahead of that step (a forward pass of a later step waits until this replica
     /// reaches it), so nothing needs holding here. A hop whose backward pass never ran here
     /// is aborted.
-    pub fn on_commit(&mut self, out: &mut Outbox, attempt: u64) {
+    pub fn on_commit(&mut self, out: &mut Outbox, from: PeerKey, attempt: u64) {
+        if !self.driven_by(out, from, attempt) {
+            return;
+        }
         let Some(h) = self.hops.remove(&attempt) else {
             return;
         };
@@ -376,9 +401,21 @@ impl StageServer {
         self.commit(out, attempt);
     }
 
+    /// Whether `from` drives `attempt` (or it is not a hop here): only a microbatch's driver
+    /// commits or aborts it.
+    fn driven_by(&self, out: &mut Outbox, from: PeerKey, attempt: u64) -> bool {
+        match self.hops.get(&attempt) {
+            Some(h) if h.route.first() != Some(&from) => {
+                out.violation(from, "a commit or abort of a microbatch it does not drive");
+                false
+            }
+            _ => true,
+        }
+    }
+
     /// The driver gave a hop up.
-    pub fn on_abort(&mut self, out: &mut Outbox, attempt: u64) {
-        if self.hops.remove(&attempt).is_some() {
+    pub fn on_abort(&mut self, out: &mut Outbox, from: PeerKey, attempt: u64) {
+        if self.driven_by(out, from, attempt) && self.hops.remove(&attempt).is_some() {
             out.compute(Job::Abort { id: attempt });
         }
     }
@@ -593,7 +630,7 @@ mod tests {
         s.sent(1, PeerKey(7));
         s.on_backward_done(&mut out, ME, 1, Some(vec![0.0; 8]), &at, Codec::Fp32, MS);
         jobs(&mut out);
-        s.on_commit(&mut out, 1);
+        s.on_commit(&mut out, DRIVER, 1);
         assert_eq!(jobs(&mut out), [Job::Commit { id: 1 }]);
         assert_eq!(s.commits_queued(), 2.0);
         assert_eq!(s.committed(1).map(|c| c.sample), Some(101));
@@ -601,7 +638,7 @@ mod tests {
         assert_eq!(s.committed(1), None, "once");
         s.on_forward(&mut out, PREV, forward(3, 3), &at, Duration::ZERO);
         jobs(&mut out);
-        s.on_commit(&mut out, 3);
+        s.on_commit(&mut out, DRIVER, 3);
         assert_eq!(jobs(&mut out), [Job::Abort { id: 3 }]);
     }
 
@@ -650,13 +687,77 @@ mod tests {
         assert_eq!(sent.len(), 1);
         assert_eq!(sent[0].0, PREV, "to the previous stage on the route");
         // The driver's abort drops the record; a stale record expires.
-        s.on_abort(&mut out, 1);
+        s.on_abort(&mut out, DRIVER, 1);
         assert_eq!(jobs(&mut out), [Job::Abort { id: 1 }]);
         s.on_forward(&mut out, PREV, forward(2, 3), &at, Duration::ZERO);
         jobs(&mut out);
         s.expire(&mut out, at.hop_lifetime);
         assert_eq!(jobs(&mut out), [Job::Abort { id: 2 }]);
         assert_eq!(s.next_timeout(), None);
+    }
+
+    /// Only a microbatch's driver commits or aborts it (attempt ids travel on the route, so
+    /// any hop knows them); anything else is a violation and changes nothing.
+    #[test]
+    fn a_commit_or_abort_from_another_peer_is_a_violation() {
+        let mut s = StageServer::default();
+        let mut out = Outbox::new(ME);
+        let at = serving();
+        s.on_forward(&mut out, PREV, forward(1, 3), &at, Duration::ZERO);
+        s.sent(1, PeerKey(7));
+        s.on_backward_done(&mut out, ME, 1, Some(vec![0.0; 8]), &at, Codec::Fp32, MS);
+        jobs(&mut out);
+        out.drain();
+        s.on_commit(&mut out, PeerKey(7), 1);
+        s.on_abort(&mut out, PREV, 1);
+        assert!(jobs(&mut out).is_empty());
+        assert_eq!(out.violations, 2);
+        s.on_commit(&mut out, DRIVER, 1);
+        assert_eq!(jobs(&mut out), [Job::Commit { id: 1 }]);
+    }
+
+    /// Forged forward passes are violations of their sender; a forward pass for another stage
+    /// (an old view of the membership) is only rejected.
+    #[test]
+    fn forged_forward_passes_are_attributed_to_their_sender() {
+        let mut s = StageServer::default();
+        let mut out = Outbox::new(ME);
+        let at = serving();
+        let forged = [
+            (PeerKey(9), forward(1, 3)),
+            (
+                PREV,
+                Forward {
+                    rows: 0,
+                    ..forward(2, 3)
+                },
+            ),
+            (PREV, forward(5, 3 + 2)),
+            (
+                PREV,
+                Forward {
+                    activations: crate::swarm::fixtures::poisoned(8),
+                    ..forward(6, 3)
+                },
+            ),
+        ];
+        for (from, f) in forged {
+            assert_eq!(s.on_forward(&mut out, from, f, &at, MS), Arrival::Rejected);
+        }
+        assert_eq!(out.violations, 4);
+        let other_stage = Forward {
+            route: vec![DRIVER],
+            ..forward(7, 3)
+        };
+        assert_eq!(
+            s.on_forward(&mut out, DRIVER, other_stage, &at, MS),
+            Arrival::Rejected
+        );
+        assert_eq!(out.violations, 4, "an honest miss");
+        assert_eq!(
+            s.on_forward(&mut out, PREV, forward(8, 4), &at, MS),
+            Arrival::Held
+        );
     }
 
     #[test]

@@ -226,15 +226,13 @@ fn diloco_takes_local_steps_and_averages_every_h() {
 }
 
 #[test]
-fn state_requests_wait_for_the_round_and_checkpoints_follow_the_schedule() {
+fn checkpoints_follow_the_schedule() {
     let m = members(&[]);
     let mut out = Outbox::new(ME);
     let mut c = serving(SyncMode::AllReduce);
     c.set_checkpoint_every(Some(2));
     commit(&mut c, 8);
     c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
-    c.request_export(&mut out, PeerKey(9));
-    c.request_export(&mut out, PeerKey(9));
     c.drain_round(&mut out, Some(1), &m, MS);
     // Alone, the round finishes at once once the gradient comes.
     assert_eq!(out.jobs.next(MS), Some(Job::TakeGradient));
@@ -244,8 +242,6 @@ fn state_requests_wait_for_the_round_and_checkpoints_follow_the_schedule() {
     assert!(matches!(out.jobs.next(MS), Some(Job::Step { .. })));
     out.jobs.finished(MS);
     assert!(c.on_stepped(&mut out, 11, false));
-    assert_eq!(out.jobs.next(MS), Some(Job::Export { to: PeerKey(9) }));
-    out.jobs.finished(MS);
     assert_eq!(out.jobs.next(MS), None, "step 1: no checkpoint");
     commit(&mut c, 8);
     c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
