@@ -25,6 +25,9 @@ use std::time::Duration;
 /// Early messages buffered before the group is known, at most.
 const MAX_EARLY: usize = 256;
 
+/// A round's group is at most every member a peer can know of.
+const MAX_GROUP: usize = super::membership::MAX_MEMBERS;
+
 /// What a round wants its owner to do.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RoundOut {
@@ -37,6 +40,9 @@ pub enum RoundOut {
     /// This replica is not part of the round (no start came, or the group left it out); its
     /// accumulated contribution is kept for the next attempt.
     Failed(&'static str),
+    /// A member sent what no honest member sends (see [`super::Event::Violation`]); it
+    /// changed nothing.
+    Violation(PeerKey, &'static str),
 }
 
 /// The outcome of a round.
@@ -315,6 +321,10 @@ impl Round {
         self.maybe_finish(now);
     }
 
+    fn violation(&mut self, from: PeerKey, what: &'static str) {
+        self.out.push_back(RoundOut::Violation(from, what));
+    }
+
     fn decode(&mut self, data: &[u8], expect: usize) -> Option<Vec<f32>> {
         let mut out = Vec::new();
         match self.decoder.decode(data, &mut out) {
@@ -335,7 +345,8 @@ impl Round {
                 let mut sorted = group.clone();
                 sorted.sort();
                 sorted.dedup();
-                if sorted.len() != group.len() || group.len() > 4096 {
+                if sorted.len() != group.len() || group.len() > MAX_GROUP {
+                    self.violation(from, "a round's group with repeated members or too large");
                     return;
                 }
                 if !group.contains(&self.me) {
@@ -344,6 +355,12 @@ impl Round {
                 }
                 self.group = group;
                 self.begin(now);
+            }
+            (_, RoundMsg::Start { .. }) if Some(from) != self.leader => {
+                self.violation(
+                    from,
+                    "a round start from a peer that does not lead the round",
+                );
             }
             (
                 Phase::AwaitStart | Phase::AwaitContribution,
@@ -359,21 +376,32 @@ impl Round {
                 },
             ) => {
                 let Some(me) = self.my_index() else { return };
+                if self.owned_done {
+                    // Late: the part was reduced without it.
+                    return;
+                }
                 // One share per member: a repeat (or a replay) does not replace the first.
                 if part as usize != me
-                    || self.owned_done
                     || !self.group.contains(&from)
                     || self.shares.contains_key(&from)
                 {
+                    self.violation(from, "a part sent to a member that does not own it, twice, or from outside the group");
                     return;
                 }
                 if !(samples.is_finite() && samples >= 0.0) || loss.is_some_and(|l| !l.is_finite())
                 {
+                    self.violation(from, "a part with a sample count or loss out of range");
                     return;
                 }
                 let expect = self.range(me).len();
-                if let Some(v) = self.decode(&data, expect) {
-                    self.shares.insert(from, (v, samples, loss));
+                match self.decode(&data, expect) {
+                    Some(v) => {
+                        self.shares.insert(from, (v, samples, loss));
+                    }
+                    None => self.violation(
+                        from,
+                        "a part that does not decode to finite values of its size",
+                    ),
                 }
                 self.maybe_reduce(now, false);
                 self.maybe_finish(now);
@@ -394,16 +422,35 @@ impl Round {
                     Phase::Exchanging => self.group.get(j) == Some(&from),
                     _ => self.group.contains(&from),
                 };
-                if j >= self.group.len() || self.averaged[j].is_some() || !sender_may {
+                if j >= self.group.len() || !sender_may {
+                    self.violation(from, "an averaged part from a member that does not own it");
+                    return;
+                }
+                if self.averaged[j].is_some() {
+                    // Several members may answer one request.
+                    return;
+                }
+                if !(samples.is_finite() && samples >= 0.0) || loss.is_some_and(|l| !l.is_finite())
+                {
+                    self.violation(
+                        from,
+                        "an averaged part with a sample count or loss out of range",
+                    );
                     return;
                 }
                 let expect = self.range(j).len();
-                if let Some(v) = self.decode(&data, expect) {
-                    self.averaged[j] = Some(v);
-                    if self.loss.is_none() {
-                        self.loss = loss.filter(|l| l.is_finite());
+                match self.decode(&data, expect) {
+                    Some(v) => {
+                        self.averaged[j] = Some(v);
+                        if self.loss.is_none() {
+                            self.loss = loss;
+                        }
+                        self.encoded.insert(part, (samples, loss, data));
                     }
-                    self.encoded.insert(part, (samples, loss, data));
+                    None => self.violation(
+                        from,
+                        "an averaged part that does not decode to finite values of its size",
+                    ),
                 }
                 self.maybe_finish(now);
             }
@@ -696,6 +743,9 @@ mod tests {
                         }
                         RoundOut::Finished(r) => results[i] = Some(r.averaged),
                         RoundOut::Failed(_) => {}
+                        RoundOut::Violation(from, what) => {
+                            panic!("honest member {from:?} blamed: {what}")
+                        }
                     }
                 }
             }

@@ -633,6 +633,7 @@ impl StepCoordinator {
                     out.compute(self.apply(result.averaged));
                     self.applying_round = true;
                 }
+                RoundOut::Violation(from, what) => out.violation(from, what),
                 RoundOut::Failed(reason) => {
                     out.event(Event::RoundFailed {
                         round: key.index,

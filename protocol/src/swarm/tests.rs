@@ -9,6 +9,8 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 use std::time::Duration;
 use xxhash_rust::xxh3::xxh3_64;
 
+mod hostile;
+
 const MS: Duration = Duration::from_millis(1);
 const PARAMS: usize = 40;
 const ACTS_PER_ROW: usize = 6;
@@ -242,6 +244,9 @@ struct Swarm {
     stages: u32,
     sync: SyncMode,
     max_steps: u64,
+    /// A hostile peer overhearing everything and sending one forgery every `attack_every`.
+    attacker: Option<hostile::Attacker>,
+    attack_every: Duration,
 }
 
 #[derive(Debug, PartialEq, Eq, PartialOrd, Ord, Clone, Copy)]
@@ -249,6 +254,7 @@ enum DueKey {
     Message(u64),
     Job(PeerKey),
     Timer(PeerKey),
+    Attack,
 }
 
 /// int8 cannot carry the toy's sample ids through activations; every other hop stays int8.
@@ -275,7 +281,42 @@ impl Swarm {
             stages,
             sync,
             max_steps,
+            attacker: None,
+            attack_every: Duration::MAX,
         }
+    }
+
+    /// Lets `attacker` loose from now on.
+    fn attack(&mut self, attacker: hostile::Attacker, every: Duration) {
+        self.attacker = Some(attacker);
+        self.attack_every = every;
+        self.schedule(self.now, DueKey::Attack);
+    }
+
+    /// The attacker's turn: its own announcement now and then, a forgery otherwise.
+    fn attack_once(&mut self) {
+        let honest: Vec<PeerKey> = self.live().map(|(k, _)| *k).collect();
+        let Some(attacker) = self.attacker.as_mut() else {
+            return;
+        };
+        let sends = if self.seq % 16 == 0 {
+            let a = attacker.announcement();
+            honest
+                .iter()
+                .map(|to| (*to, Message::Announce(a.clone())))
+                .collect()
+        } else {
+            attacker
+                .next(&honest)
+                .map(|(to, msg, _)| vec![(to, msg)])
+                .unwrap_or_default()
+        };
+        for (to, msg) in sends {
+            self.seq += 1;
+            self.inflight.insert(self.seq, (hostile::ATTACKER, to, msg));
+            self.schedule(self.now + MS, DueKey::Message(self.seq));
+        }
+        self.schedule(self.now + self.attack_every, DueKey::Attack);
     }
 
     fn config(&self) -> RunConfig {
@@ -359,6 +400,9 @@ impl Swarm {
         let Some(delay) = (self.filter)(from, to, &msg) else {
             return;
         };
+        if let Some(attacker) = self.attacker.as_mut() {
+            attacker.overhear(from, to, &msg);
+        }
         self.seq += 1;
         let id = self.seq;
         self.inflight.insert(id, (from, to, msg));
@@ -401,6 +445,10 @@ impl Swarm {
                         p.handle_compute_done(done, now);
                     }
                     k
+                }
+                DueKey::Attack => {
+                    self.attack_once();
+                    continue;
                 }
                 DueKey::Timer(k) => {
                     if self.dead.contains(&k) {
