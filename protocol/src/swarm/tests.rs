@@ -299,7 +299,7 @@ impl Swarm {
         let Some(attacker) = self.attacker.as_mut() else {
             return;
         };
-        let sends = if self.seq % 16 == 0 {
+        let sends = if self.seq.is_multiple_of(16) {
             let a = attacker.announcement();
             honest
                 .iter()
