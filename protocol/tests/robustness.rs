@@ -10,53 +10,12 @@ use shoal_protocol::wire::{
     FRAME_HEADER_LEN, FrameLimits, decode_control, read_frame, write_control,
 };
 use shoal_protocol::{Codec, ValueFormat};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use xxhash_rust::xxh3::xxh3_64;
 
-/// Counts the bytes each thread has live, and its peak, so a test can measure what one call
-/// allocated (tests run on parallel threads; per-thread counts keep them apart).
-struct CountingAlloc;
-
-thread_local! {
-    static LIVE: Cell<isize> = const { Cell::new(0) };
-    static PEAK: Cell<isize> = const { Cell::new(0) };
-}
-
-fn note(delta: isize) {
-    let _ = LIVE.try_with(|l| {
-        let v = l.get() + delta;
-        l.set(v);
-        let _ = PEAK.try_with(|p| p.set(p.get().max(v)));
-    });
-}
-
-// SAFETY: forwards to the system allocator unchanged; only counts.
-unsafe impl GlobalAlloc for CountingAlloc {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        note(layout.size() as isize);
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        note(-(layout.size() as isize));
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note(new_size as isize - layout.size() as isize);
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static ALLOC: CountingAlloc = CountingAlloc;
-
-/// Bytes allocated at the peak of `f`, above what was live before it.
-fn peak_of<R>(f: impl FnOnce() -> R) -> (R, usize) {
-    let base = LIVE.with(|l| l.get());
-    PEAK.with(|p| p.set(base));
-    let r = f();
-    (r, (PEAK.with(|p| p.get()) - base).max(0) as usize)
-}
+#[allow(dead_code)] // `live` is for other tests
+#[path = "support/alloc.rs"]
+mod alloc;
+use alloc::peak_of;
 
 struct Fuzz(u64);
 

@@ -275,7 +275,7 @@ impl StepCoordinator {
         let laggards = allreduce
             && members.iter().any(|(_, m)| {
                 m.announcement.state == MemberState::Serving
-                    && m.announcement.round + 1 < self.round
+                    && m.announcement.round.saturating_add(1) < self.round
             });
         let drivers = members.replicas(0);
         let (quota, others) = if allreduce {

@@ -534,7 +534,18 @@ impl Peer {
     // ----- role: choosing, syncing, moving -----
 
     fn on_announce(&mut self, from: PeerKey, a: Announcement, now: Duration) {
-        if a.stage.is_some_and(|s| s >= self.config.stages) {
+        // No honest peer counts steps or rounds past the run's last step, or measures a
+        // throughput that is not a number; such values would only feed arithmetic and
+        // placement decisions.
+        let in_range = a.stage.is_none_or(|s| s < self.config.stages)
+            && a.step <= self.config.max_steps
+            && a.round <= self.config.max_steps
+            && a.throughput.is_finite()
+            && a.throughput >= 0.0
+            && a.loss.is_none_or(f32::is_finite);
+        if !in_range {
+            self.out
+                .violation(from, "an announcement with values out of the run's range");
             return;
         }
         let known = self.members.get(from).map(|m| m.announcement.round);
