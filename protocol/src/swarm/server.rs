@@ -104,6 +104,9 @@ pub(super) struct Serving {
     pub activation_values: usize,
     /// How long a record lives without news from its driver.
     pub hop_lifetime: Duration,
+    /// Microbatch records kept at most; past it, new forwards are refused (their drivers
+    /// retry elsewhere) until records are committed, aborted or expire.
+    pub max_hops: usize,
 }
 
 /// The replica's microbatch work for others, and its pending commits.
@@ -188,6 +191,11 @@ impl StageServer {
         // Not for this stage (the sender's view of the membership is a little old, or this
         // replica is syncing): an honest miss, the driver retries elsewhere.
         if forged.is_some() || at.stage != Some(here) {
+            out.send(driver, Message::Reject { id: f.id });
+            return Arrival::Rejected;
+        }
+        if self.hops.len() >= at.max_hops {
+            // Busy (or flooded): an honest refusal; the driver retries elsewhere.
             out.send(driver, Message::Reject { id: f.id });
             return Arrival::Rejected;
         }
@@ -508,6 +516,7 @@ mod tests {
             seq: 3,
             activation_values: 4,
             hop_lifetime: Duration::from_secs(1),
+            max_hops: 64,
         }
     }
 
@@ -577,6 +586,33 @@ mod tests {
             Arrival::Rejected
         );
         assert_eq!(s.next_timeout(), Some(at.hop_lifetime));
+    }
+
+    /// A flood of well-formed forwards: records stop at the cap, the rest go back to their
+    /// drivers (an honest refusal, not a violation), and room comes back as records expire.
+    #[test]
+    fn forwards_past_the_record_cap_are_refused() {
+        let mut s = StageServer::default();
+        let mut out = Outbox::new(ME);
+        let at = serving();
+        let running = (0..200)
+            .filter(|id| {
+                s.on_forward(&mut out, PREV, forward(*id, 3), &at, Duration::ZERO)
+                    == Arrival::Running
+            })
+            .count();
+        assert_eq!(running, at.max_hops);
+        assert_eq!(out.violations, 0);
+        let refused = sends(&mut out)
+            .iter()
+            .filter(|(to, m)| *to == DRIVER && matches!(m, Message::Reject { .. }))
+            .count();
+        assert_eq!(refused, 200 - at.max_hops);
+        s.expire(&mut out, at.hop_lifetime);
+        assert_eq!(
+            s.on_forward(&mut out, PREV, forward(500, 3), &at, at.hop_lifetime),
+            Arrival::Running
+        );
     }
 
     /// Held forwards: a microbatch of a later step waits until this replica took the steps

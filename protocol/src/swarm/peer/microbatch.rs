@@ -33,7 +33,19 @@ impl Peer {
             seq: self.config.seq,
             activation_values: self.costs.activation_values,
             hop_lifetime: self.hop_lifetime(),
+            max_hops: self.max_hops(),
         }
+    }
+
+    /// Microbatch records a replica keeps for drivers at most: every attempt of two steps'
+    /// microbatches (a step being collected and the next one, all of whose attempts may still
+    /// be alive), and never fewer than 64.
+    fn max_hops(&self) -> usize {
+        let per_step = self
+            .config
+            .global_batch
+            .div_ceil(self.config.microbatch.max(1)) as usize;
+        (2 * per_step * (self.timing.max_attempts as usize + 1)).max(64)
     }
 
     pub(super) fn pipeline_ready(&self) -> bool {
