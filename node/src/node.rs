@@ -63,6 +63,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     if !args.listen.is_empty() || args.no_listen {
         config.listen = args.listen.clone();
     }
+    let limits = config.transport;
     let (handle, mut events, mut frames) = net::start(key, config).await?;
     let control = args.control;
     if control {
@@ -86,7 +87,9 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
             }
         });
     }
-    let mut decoder = Decoder::new();
+    // This node expects no tensor larger than a frame holds at one byte per value; a top-k
+    // message claiming more is refused before its output is allocated.
+    let mut decoder = Decoder::with_max_elements(limits.frames.max_tensor_len as usize);
     let mut values = Vec::new();
     loop {
         tokio::select! {

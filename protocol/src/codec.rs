@@ -613,6 +613,22 @@ impl Decoder {
         if raw_len > MAX_VARINT_LEN * k || raw_len < k {
             return Err(CodecError::BadIndices("index stream length does not fit k"));
         }
+        let value_len = match format {
+            ValueFormat::Fp16 => 2 * k,
+            // One scale for all values (none when there are no values).
+            ValueFormat::Int8 => 4 * k.min(1) + k,
+        };
+        // The whole layout is checked before anything is allocated: k is then backed by bytes
+        // present (its values), and so is the index stream's decompressed length (at most
+        // MAX_VARINT_LEN per value), whatever the header claims.
+        let expect = pos + stored_len + value_len;
+        if payload.len() != expect {
+            return Err(CodecError::Truncated {
+                what: "top-k payload",
+                needed: expect,
+                available: payload.len(),
+            });
+        }
         let stream = take(&mut pos, stored_len, "index stream")?;
         let varints: &[u8] = match flags {
             0 if stored_len == raw_len => stream,
@@ -640,11 +656,6 @@ impl Decoder {
                 &self.varints
             }
             _ => return Err(CodecError::BadParameter(format!("top-k flags {flags}"))),
-        };
-        let value_len = match format {
-            ValueFormat::Fp16 => 2 * k,
-            // One scale for all values (none when there are no values).
-            ValueFormat::Int8 => 4 * k.min(1) + k,
         };
         let value_bytes = take(&mut pos, value_len, "top-k values")?;
         if pos != payload.len() {

@@ -258,3 +258,36 @@ fn frame_decoder_survives_hostile_input() {
         "a decode allocated {worst} bytes, above {cap}"
     );
 }
+
+/// Regression: a top-k message of a few dozen bytes claiming k values and a zstd index stream
+/// of 5 bytes per value made the decoder reserve that stream (5 x its element cap) before it
+/// saw that the values were not there. Now nothing beyond the output tensor is allocated
+/// before the layout is checked against the bytes present.
+#[test]
+fn a_tiny_top_k_message_cannot_make_the_decoder_reserve_much() {
+    const N: u32 = 1 << 20;
+    let mut payload = vec![1u8];
+    payload.extend_from_slice(&(5 * N).to_le_bytes()); // decompressed index stream
+    payload.extend_from_slice(&4u32.to_le_bytes()); // stored index stream
+    payload.extend_from_slice(&[0x28, 0xb5, 0x2f, 0xfd]); // a zstd magic, then nothing
+    let mut m = vec![0u8; TENSOR_HEADER_LEN];
+    m[1] = 4; // top-k
+    m[2] = 1; // int8 values
+    m[3] = 1; // one dimension
+    m[4..8].copy_from_slice(&N.to_le_bytes()); // k
+    m[8..12].copy_from_slice(&N.to_le_bytes());
+    m[24..28].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    m[28..36].copy_from_slice(&xxh3_64(&payload).to_le_bytes());
+    m.extend_from_slice(&payload);
+    assert!(m.len() < 64);
+    let mut decoder = Decoder::with_max_elements(N as usize);
+    let mut out = Vec::new();
+    let (result, peak) = peak_of(|| decoder.decode(&m, &mut out));
+    assert!(result.is_err());
+    let output = 4 * N as usize;
+    assert!(
+        peak <= output + (64 << 10),
+        "{peak} bytes allocated for a {}-byte message (the output alone is {output})",
+        m.len()
+    );
+}
