@@ -97,6 +97,10 @@ pub struct NodeArgs {
     /// Do not look for peers on the LAN with multicast DNS.
     #[arg(long)]
     pub no_mdns: bool,
+    /// Accept private, loopback and link-local addresses from other peers (automatic when a
+    /// listen or bootstrap address is one: the run is on a private network).
+    #[arg(long)]
+    pub allow_private: bool,
     /// Relay traffic for peers that cannot be reached directly.
     #[arg(long)]
     pub relay_server: bool,
@@ -196,6 +200,10 @@ pub struct RunArgs {
     /// Do not look for peers on the LAN with multicast DNS.
     #[arg(long)]
     pub no_mdns: bool,
+    /// Accept private, loopback and link-local addresses from other peers (automatic when a
+    /// listen or bootstrap address is one: the run is on a private network).
+    #[arg(long)]
+    pub allow_private: bool,
     /// Send tensors only over libp2p streams (no direct QUIC endpoint).
     #[arg(long)]
     pub no_direct: bool,

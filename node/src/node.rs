@@ -56,6 +56,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
         bootstrap: args.bootstrap.clone(),
         mdns: !args.no_mdns,
         relay_server: args.relay_server,
+        allow_private: args.allow_private,
         direct: !args.no_direct,
         run: args.run.clone(),
         ..NetConfig::default()
@@ -194,8 +195,10 @@ fn report_event(event: NodeEvent, control: bool) {
         NodeEvent::Connected(p) => json!({"event": "connected", "peer": p.to_string()}),
         NodeEvent::Disconnected(p) => json!({"event": "disconnected", "peer": p.to_string()}),
         NodeEvent::Discovered(p) => json!({"event": "discovered", "peer": p.to_string()}),
-        NodeEvent::Gossip { from, data } => json!({"event": "gossip", "from": from.to_string(),
-            "text": String::from_utf8_lossy(data)}),
+        NodeEvent::Gossip { from, via, data } => {
+            json!({"event": "gossip", "from": from.to_string(),
+            "via": via.to_string(), "text": String::from_utf8_lossy(data)})
+        }
         NodeEvent::RelayReservation(addr) => {
             json!({"event": "relay_reservation", "addr": addr.to_string()})
         }

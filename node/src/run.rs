@@ -11,7 +11,7 @@ use libp2p::{Multiaddr, PeerId};
 use serde::{Deserialize, Serialize};
 use shoal_compute::data::TextCorpus;
 use shoal_compute::{AnyBackend, Corpus, write_atomic};
-use shoal_node::net::{self, NetConfig, NodeEvent, NodeHandle, identity};
+use shoal_node::net::{self, GossipCheck, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
     Action, ComputeDone, DataSource, Envelope, Event, Job, Message, Peer, PeerKey, Resume,
@@ -326,11 +326,21 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             );
         }
     }
+    let gossip_run = run_id;
     let mut net_config = NetConfig {
         bootstrap: args.bootstrap.clone(),
         mdns: !args.no_mdns,
         direct: !args.no_direct,
         run: run_id.to_string(),
+        allow_private: args.allow_private,
+        // Only announcements of this run are valid gossip; anything else counts against the
+        // peer that relayed it.
+        gossip_check: Some(GossipCheck(Arc::new(move |_, data| {
+            matches!(
+                Envelope::from_bytes(data),
+                Ok(Envelope { run, msg: Message::Announce(_) }) if run == gossip_run
+            )
+        }))),
         ..NetConfig::default()
     };
     if !args.listen.is_empty() {
@@ -469,13 +479,12 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                         println!("others join with:\n  shoal run --run {run_id} --bootstrap {addr}");
                     }
                 }
-                NodeEvent::Gossip { from, data } => {
+                NodeEvent::Gossip { from, via, data } => {
+                    // The network checked that it is an announcement of this run.
                     let k = key_of(&from);
                     ids.insert(k, from);
-                    if let Ok(Envelope { run, msg: msg @ Message::Announce(_) }) = Envelope::from_bytes(&data) {
-                        if run == run_id {
-                            peer.handle_message(k, msg, now());
-                        }
+                    if let Ok(Envelope { msg, .. }) = Envelope::from_bytes(&data) {
+                        peer.handle_gossip(k, key_of(&via), msg, now());
                     }
                 }
                 NodeEvent::Connected(p) | NodeEvent::Discovered(p) => {

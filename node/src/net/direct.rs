@@ -215,12 +215,18 @@ pub struct DirectEndpoint {
     /// Inbound connections alive now, and the most allowed.
     inbound: Arc<AtomicUsize>,
     max_inbound: usize,
+    ip_slots: super::ip_limits::IpSlots,
 }
 
 impl DirectEndpoint {
     /// Binds a UDP socket at `addr` (port 0: any) with this node's identity, accepting at most
-    /// `max_inbound` connections at once.
-    pub fn bind(key: &Keypair, addr: SocketAddr, max_inbound: usize) -> anyhow::Result<Arc<Self>> {
+    /// `max_inbound` connections at once and at most what `ip_slots` allows from one address.
+    pub fn bind(
+        key: &Keypair,
+        addr: SocketAddr,
+        max_inbound: usize,
+        ip_slots: super::ip_limits::IpSlots,
+    ) -> anyhow::Result<Arc<Self>> {
         let (cert, private_key) = libp2p::tls::certificate::generate(key)?;
         // rustls's default order: AES-GCM first.
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
@@ -257,6 +263,7 @@ impl DirectEndpoint {
             connections: Mutex::default(),
             inbound: Arc::default(),
             max_inbound,
+            ip_slots,
         }))
     }
 
@@ -325,7 +332,15 @@ impl DirectEndpoint {
                 incoming.refuse();
                 continue;
             }
-            let (admit, inbound) = (admit.clone(), self.inbound.clone());
+            let ip = incoming.remote_address().ip();
+            if let Err(e) = self.ip_slots.take(ip) {
+                self.inbound.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!("direct connection refused: {e}");
+                incoming.refuse();
+                continue;
+            }
+            let (admit, inbound, slots) =
+                (admit.clone(), self.inbound.clone(), self.ip_slots.clone());
             tokio::spawn(async move {
                 if let Ok(Ok(conn)) = tokio::time::timeout(CONNECT_TIMEOUT, incoming).await {
                     match remote_peer(&conn) {
@@ -338,6 +353,7 @@ impl DirectEndpoint {
                     }
                 }
                 inbound.fetch_sub(1, Ordering::SeqCst);
+                slots.release(ip);
             });
         }
     }

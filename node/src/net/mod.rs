@@ -8,6 +8,7 @@
 
 pub mod direct;
 pub mod identity;
+pub mod ip_limits;
 pub mod tensor;
 
 use anyhow::Context;
@@ -45,6 +46,11 @@ const IDLE_TIMEOUT_MS: u32 = 10_000;
 const KEEP_ALIVE: Duration = Duration::from_secs(2);
 /// How long libp2p keeps a connection no protocol needs (see `build_swarm`).
 const SWARM_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// A connected peer that has not joined the run's topic by then is disconnected (unless it is
+/// a bootstrap peer or a relay this node uses): connection slots are for the run.
+const OUTSIDE_RUN_GRACE: Duration = Duration::from_secs(60);
+/// How often connections of peers outside the run are looked for.
+const PRUNE_EVERY: Duration = Duration::from_secs(15);
 /// Attempts at sending a frame that receivers drop unread because they are momentarily full.
 const REFUSED_ATTEMPTS: u32 = 10;
 
@@ -74,6 +80,21 @@ pub fn quic_transport_config() -> quinn::TransportConfig {
     t
 }
 
+/// Decides whether a gossip message (its author, its bytes) is valid. A valid one is delivered
+/// and forwarded; an invalid one is dropped and counts against the peer that relayed it in
+/// gossipsub's peer score (a peer scored low enough is no longer gossiped with).
+#[derive(Clone)]
+pub struct GossipCheck(pub Arc<GossipCheckFn>);
+
+/// The function inside a [`GossipCheck`]: the author and the bytes of a message.
+pub type GossipCheckFn = dyn Fn(&PeerId, &[u8]) -> bool + Send + Sync;
+
+impl std::fmt::Debug for GossipCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GossipCheck")
+    }
+}
+
 /// How a node joins the network.
 #[derive(Clone, Debug)]
 pub struct NetConfig {
@@ -93,6 +114,14 @@ pub struct NetConfig {
     pub max_connections_per_peer: u32,
     /// Caps on connections being set up.
     pub max_pending: u32,
+    /// Caps on inbound connections from one IP address (both endpoints together).
+    pub max_connections_per_ip: usize,
+    /// Accept loopback, private and link-local addresses from identify and the DHT. Off by
+    /// default (such an address names a host on someone else's network); on when a listen or
+    /// bootstrap address is itself one (the run lives on a private network).
+    pub allow_private: bool,
+    /// Gossip validation; None accepts every signed message.
+    pub gossip_check: Option<GossipCheck>,
     /// Caps on tensor streams and frames.
     pub transport: TransportLimits,
     /// Offer and use a direct QUIC endpoint for tensors (AES-GCM first) where peers are
@@ -115,6 +144,11 @@ impl Default for NetConfig {
             max_connections: 256,
             max_connections_per_peer: 4,
             max_pending: 64,
+            // A household or a small lab behind one address, each peer with a libp2p and a
+            // direct connection; far below `max_connections`.
+            max_connections_per_ip: 16,
+            allow_private: false,
+            gossip_check: None,
             transport: TransportLimits::default(),
             direct: true,
         }
@@ -132,10 +166,12 @@ pub enum NodeEvent {
     Disconnected(PeerId),
     /// A shoal peer was identified and added to the routing table.
     Discovered(PeerId),
-    /// A gossip message on the run's topic.
+    /// A gossip message on the run's topic that passed [`NetConfig::gossip_check`].
     Gossip {
         /// The author (messages are signed).
         from: PeerId,
+        /// The peer that relayed it here (the author, or a peer of the gossip mesh).
+        via: PeerId,
         /// The message.
         data: Vec<u8>,
     },
@@ -286,6 +322,7 @@ impl NodeHandle {
 #[derive(NetworkBehaviour)]
 struct Behaviour {
     limits: connection_limits::Behaviour,
+    ip_limits: ip_limits::Behaviour,
     identify: identify::Behaviour,
     kad: kad::Behaviour<kad::store::MemoryStore>,
     gossipsub: gossipsub::Behaviour,
@@ -319,6 +356,7 @@ fn build_swarm(
     key: Keypair,
     config: &NetConfig,
     direct_port: Option<u16>,
+    ip_slots: ip_limits::IpSlots,
 ) -> anyhow::Result<Swarm<Behaviour>> {
     let swarm = libp2p::SwarmBuilder::with_existing_identity(key)
         .with_tokio()
@@ -341,6 +379,8 @@ fn build_swarm(
                 .with_max_pending_outgoing(Some(config.max_pending));
             let mut kad_config = kad::Config::new(KAD_PROTOCOL);
             kad_config.set_periodic_bootstrap_interval(Some(Duration::from_secs(30)));
+            // Addresses enter the routing table only through `SwarmState`, which filters them.
+            kad_config.set_kbucket_inserts(kad::BucketInserts::Manual);
             let mut kad = kad::Behaviour::with_config(
                 peer_id,
                 kad::store::MemoryStore::new(peer_id),
@@ -352,13 +392,21 @@ fn build_swarm(
                 .heartbeat_interval(Duration::from_millis(500))
                 .validation_mode(gossipsub::ValidationMode::Strict)
                 .max_transmit_size(64 * 1024)
+                // Messages are delivered and forwarded only once `GossipCheck` accepts them.
+                .validate_messages()
                 .build()
                 .map_err(|e| anyhow::anyhow!("gossipsub config: {e}"))?;
-            let gossipsub = gossipsub::Behaviour::new(
+            let mut gossipsub = gossipsub::Behaviour::new(
                 gossipsub::MessageAuthenticity::Signed(key.clone()),
                 gossip_config,
             )
             .map_err(|e| anyhow::anyhow!("gossipsub: {e}"))?;
+            gossipsub
+                .with_peer_score(
+                    gossip_score_params(&topic(&config.run)),
+                    gossipsub::PeerScoreThresholds::default(),
+                )
+                .map_err(|e| anyhow::anyhow!("gossipsub peer scoring: {e}"))?;
             let mdns = if config.mdns {
                 Some(mdns::tokio::Behaviour::new(
                     mdns::Config::default(),
@@ -380,6 +428,7 @@ fn build_swarm(
             });
             Ok(Behaviour {
                 limits: connection_limits::Behaviour::new(limits),
+                ip_limits: ip_limits::Behaviour::new(ip_slots),
                 identify: identify::Behaviour::new(
                     identify::Config::new(IDENTIFY_VERSION.into(), key.public())
                         .with_agent_version(agent_version(direct_port)),
@@ -403,6 +452,53 @@ fn build_swarm(
     Ok(swarm)
 }
 
+/// Peer scoring on the run's topic: invalid messages weigh heavily and are forgiven slowly
+/// (three in a row take a peer below the graylist threshold, where its messages are ignored);
+/// a quiet peer is not penalised (announcements are few in a small run); and up to as many
+/// peers share an IP address as it may hold connections.
+fn gossip_score_params(topic: &gossipsub::IdentTopic) -> gossipsub::PeerScoreParams {
+    let topic_params = gossipsub::TopicScoreParams {
+        topic_weight: 1.0,
+        mesh_message_deliveries_weight: 0.0,
+        mesh_failure_penalty_weight: 0.0,
+        invalid_message_deliveries_weight: -10.0,
+        invalid_message_deliveries_decay: 0.9,
+        ..gossipsub::TopicScoreParams::default()
+    };
+    let mut params = gossipsub::PeerScoreParams {
+        ip_colocation_factor_threshold: 16.0,
+        ..gossipsub::PeerScoreParams::default()
+    };
+    params.topics.insert(topic.hash(), topic_params);
+    params
+}
+
+/// Whether an address names a host anyone may reach: not loopback, private, link-local,
+/// shared (CGNAT), unspecified or documentation space. Addresses without an IP (DNS names,
+/// relay circuits) are judged by whoever resolves them.
+pub fn is_global(addr: &Multiaddr) -> bool {
+    match multiaddr_ip(addr) {
+        Some(IpAddr::V4(ip)) => {
+            let [a, b, ..] = ip.octets();
+            !(ip.is_loopback()
+                || ip.is_private()
+                || ip.is_link_local()
+                || ip.is_unspecified()
+                || ip.is_broadcast()
+                || ip.is_documentation()
+                || (a == 100 && (64..128).contains(&b)))
+        }
+        Some(IpAddr::V6(ip)) => {
+            let first = ip.segments()[0];
+            !(ip.is_loopback()
+                || ip.is_unspecified()
+                || (first & 0xfe00) == 0xfc00
+                || (first & 0xffc0) == 0xfe80)
+        }
+        None => true,
+    }
+}
+
 /// The gossip topic of a run.
 fn topic(run: &str) -> gossipsub::IdentTopic {
     gossipsub::IdentTopic::new(format!("shoal/{run}/announce/1"))
@@ -418,6 +514,14 @@ pub async fn start(
     mpsc::Receiver<InboundFrame>,
 )> {
     let peer_id = key.public().to_peer_id();
+    let ip_slots = ip_limits::IpSlots::new(config.max_connections_per_ip);
+    let unspecified = |a: &Multiaddr| multiaddr_ip(a).is_some_and(|ip| ip.is_unspecified());
+    let allow_private = config.allow_private
+        || config
+            .listen
+            .iter()
+            .chain(&config.bootstrap)
+            .any(|a| !unspecified(a) && !is_global(a));
     let direct = if config.direct {
         // Bind on the host of the first IP listen address (any interface otherwise).
         let ip = config
@@ -429,11 +533,12 @@ pub async fn start(
             &key,
             SocketAddr::new(ip, 0),
             config.max_connections as usize,
+            ip_slots.clone(),
         )?)
     } else {
         None
     };
-    let mut swarm = build_swarm(key, &config, direct.as_ref().map(|d| d.port()))?;
+    let mut swarm = build_swarm(key, &config, direct.as_ref().map(|d| d.port()), ip_slots)?;
     let topic = topic(&config.run);
     swarm.behaviour_mut().gossipsub.subscribe(&topic)?;
     for addr in &config.listen {
@@ -468,14 +573,27 @@ pub async fn start(
     }
     tokio::spawn(tensor::accept_frames(incoming, admission));
     let direct_addrs = DirectAddrs::default();
-    tokio::spawn(event_loop(
-        swarm,
-        topic,
-        config.relay_server,
-        direct_addrs.clone(),
-        command_rx,
-        event_tx,
-    ));
+    let state = SwarmState {
+        local: peer_id,
+        relay_server: config.relay_server,
+        direct_addrs: direct_addrs.clone(),
+        discovered: HashSet::new(),
+        pending_circuits: Vec::new(),
+        remote_ips: HashMap::new(),
+        allow_private,
+        gossip_check: config.gossip_check.clone(),
+        topic: topic.hash(),
+        kept: config
+            .bootstrap
+            .iter()
+            .filter_map(|a| match a.iter().last() {
+                Some(Protocol::P2p(peer)) => Some(peer),
+                _ => None,
+            })
+            .collect(),
+        connected_since: HashMap::new(),
+    };
+    tokio::spawn(event_loop(swarm, topic, state, command_rx, event_tx));
     let handle = NodeHandle {
         peer_id,
         commands: command_tx,
@@ -490,21 +608,14 @@ pub async fn start(
 async fn event_loop(
     mut swarm: Swarm<Behaviour>,
     topic: gossipsub::IdentTopic,
-    relay_server: bool,
-    direct_addrs: DirectAddrs,
+    mut state: SwarmState,
     mut commands: mpsc::Receiver<Command>,
     events: mpsc::Sender<NodeEvent>,
 ) {
-    let mut state = SwarmState {
-        local: *swarm.local_peer_id(),
-        relay_server,
-        direct_addrs,
-        discovered: HashSet::new(),
-        pending_circuits: Vec::new(),
-        remote_ips: HashMap::new(),
-    };
+    let mut prune = tokio::time::interval(PRUNE_EVERY);
     loop {
         tokio::select! {
+            _ = prune.tick() => state.prune_outsiders(&mut swarm),
             command = commands.recv() => match command {
                 None => break,
                 Some(Command::Publish(data, reply)) => {
@@ -563,9 +674,49 @@ struct SwarmState {
     pending_circuits: Vec<(PeerId, Multiaddr)>,
     /// The IP each peer's (non-relayed) connection comes from: where its direct endpoint is.
     remote_ips: HashMap<PeerId, IpAddr>,
+    /// Whether non-global addresses are accepted (see [`NetConfig::allow_private`]).
+    allow_private: bool,
+    /// Gossip validation.
+    gossip_check: Option<GossipCheck>,
+    /// The run's topic.
+    topic: gossipsub::TopicHash,
+    /// Peers never pruned: bootstrap peers and relays this node uses.
+    kept: HashSet<PeerId>,
+    /// When each connected peer's first connection came up.
+    connected_since: HashMap<PeerId, std::time::Instant>,
 }
 
 impl SwarmState {
+    /// Disconnects peers connected for longer than [`OUTSIDE_RUN_GRACE`] that have not joined
+    /// the run's topic.
+    fn prune_outsiders(&mut self, swarm: &mut Swarm<Behaviour>) {
+        let in_run: HashSet<PeerId> = swarm
+            .behaviour()
+            .gossipsub
+            .all_peers()
+            .filter(|(_, topics)| topics.contains(&&self.topic))
+            .map(|(p, _)| *p)
+            .collect();
+        let outsiders: Vec<PeerId> = self
+            .connected_since
+            .iter()
+            .filter(|(p, since)| {
+                since.elapsed() > OUTSIDE_RUN_GRACE && !in_run.contains(p) && !self.kept.contains(p)
+            })
+            .map(|(p, _)| *p)
+            .collect();
+        for peer in outsiders {
+            tracing::debug!(%peer, "disconnecting a peer outside the run");
+            self.connected_since.remove(&peer);
+            let _ = swarm.disconnect_peer_id(peer);
+        }
+    }
+
+    /// Whether `addr` may enter the routing table or be dialled for discovery.
+    fn admissible(&self, addr: &Multiaddr) -> bool {
+        self.allow_private || is_global(addr)
+    }
+
     /// Acts on one swarm event; returns what the application should hear of it.
     fn handle(
         &mut self,
@@ -598,10 +749,13 @@ impl SwarmState {
                     .into_iter()
                     .partition(|(relay, _)| *relay == peer_id);
                 self.pending_circuits = waiting;
-                for (_, addr) in ready {
+                for (relay, addr) in ready {
+                    self.kept.insert(relay);
                     listen(swarm, addr);
                 }
                 if num_established.get() == 1 {
+                    self.connected_since
+                        .insert(peer_id, std::time::Instant::now());
                     out.push(NodeEvent::Connected(peer_id));
                 }
             }
@@ -611,6 +765,7 @@ impl SwarmState {
                 ..
             } => {
                 self.remote_ips.remove(&peer_id);
+                self.connected_since.remove(&peer_id);
                 self.direct_addrs
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -632,13 +787,21 @@ impl SwarmState {
                         .insert(peer_id, SocketAddr::new(*ip, port));
                 }
                 for addr in info.listen_addrs {
-                    swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                    if self.admissible(&addr) {
+                        swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                    }
                 }
                 if self.discovered.insert(peer_id) {
                     out.push(NodeEvent::Discovered(peer_id));
                     // Learn who else our new neighbour knows.
                     let _ = swarm.behaviour_mut().kad.bootstrap();
                 }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(
+                kad::Event::RoutablePeer { peer, address }
+                | kad::Event::PendingRoutablePeer { peer, address },
+            )) if self.admissible(&address) => {
+                swarm.behaviour_mut().kad.add_address(&peer, address);
             }
             SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::RoutingUpdated {
                 peer, ..
@@ -655,12 +818,27 @@ impl SwarmState {
                 }
             }
             SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                propagation_source,
+                message_id,
                 message,
-                ..
             })) => {
-                if let Some(from) = message.source {
+                let valid = message.source.filter(|from| {
+                    self.gossip_check
+                        .as_ref()
+                        .is_none_or(|check| (check.0)(from, &message.data))
+                });
+                let verdict = match valid {
+                    Some(_) => gossipsub::MessageAcceptance::Accept,
+                    None => gossipsub::MessageAcceptance::Reject,
+                };
+                swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .report_message_validation_result(&message_id, &propagation_source, verdict);
+                if let Some(from) = valid {
                     out.push(NodeEvent::Gossip {
                         from,
+                        via: propagation_source,
                         data: message.data,
                     });
                 }
@@ -668,6 +846,7 @@ impl SwarmState {
             SwarmEvent::Behaviour(BehaviourEvent::RelayClient(
                 relay::client::Event::ReservationReqAccepted { relay_peer_id, .. },
             )) => {
+                self.kept.insert(relay_peer_id);
                 out.push(NodeEvent::RelayReservation(
                     Multiaddr::empty()
                         .with(Protocol::P2p(relay_peer_id))
@@ -737,6 +916,32 @@ fn with_peer(addr: Multiaddr, peer: PeerId) -> Multiaddr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_global_addresses_are_global() {
+        let global = |a: &str| is_global(&a.parse().expect("address"));
+        for a in [
+            "/ip4/8.8.8.8/udp/1/quic-v1",
+            "/ip6/2001:4860::8888/udp/1/quic-v1",
+            "/dns4/example.org/udp/1/quic-v1",
+        ] {
+            assert!(global(a), "{a}");
+        }
+        for a in [
+            "/ip4/127.0.0.1/udp/1/quic-v1",
+            "/ip4/10.1.2.3/udp/1/quic-v1",
+            "/ip4/172.16.0.1/udp/1/quic-v1",
+            "/ip4/192.168.1.1/udp/1/quic-v1",
+            "/ip4/169.254.1.1/udp/1/quic-v1",
+            "/ip4/100.64.0.1/udp/1/quic-v1",
+            "/ip4/0.0.0.0/udp/1/quic-v1",
+            "/ip6/::1/udp/1/quic-v1",
+            "/ip6/fd00::1/udp/1/quic-v1",
+            "/ip6/fe80::1/udp/1/quic-v1",
+        ] {
+            assert!(!global(a), "{a}");
+        }
+    }
 
     fn loopback(bootstrap: Vec<Multiaddr>, direct: bool) -> NetConfig {
         NetConfig {

@@ -35,9 +35,10 @@ pub struct TransportLimits {
     pub streams_total: usize,
     /// Bytes of received frames held (being read or queued for the application) at once.
     pub queued_bytes: usize,
-    /// Time any frame may take, plus `min_rate_bytes_per_s` for its size.
+    /// Grace period of a stream: time for its header, and before its rate is judged.
     pub base_timeout: Duration,
-    /// Slowest acceptable transfer rate; a slower peer is cut off (slow-loris defence).
+    /// Slowest acceptable average rate of a frame's payload after the grace period; a slower
+    /// stream is cut (slow-loris defence). What a stream holds meanwhile is only what it sent.
     pub min_rate_bytes_per_s: u64,
 }
 
@@ -50,7 +51,8 @@ impl Default for TransportLimits {
             // Two maximal frames: enough to keep a fast link busy, small enough for any host.
             queued_bytes: 2 * FrameLimits::default().max_tensor_len as usize,
             base_timeout: Duration::from_secs(10),
-            min_rate_bytes_per_s: 1 << 20,
+            // 1 Mbit/s: a home uplink shared by several streams stays well above it.
+            min_rate_bytes_per_s: 128 << 10,
         }
     }
 }
@@ -70,7 +72,7 @@ pub struct InboundFrame {
     pub kind: FrameKind,
     /// The payload (a postcard control message or a tensor message).
     pub payload: Vec<u8>,
-    _budget: OwnedSemaphorePermit,
+    _budget: Option<OwnedSemaphorePermit>,
 }
 
 /// Why sending failed.
@@ -278,6 +280,51 @@ pub async fn accept_frames(mut incoming: IncomingStreams, admission: Admission) 
     }
 }
 
+/// Bytes read (and reserved from the receive budget) at a time.
+const CHUNK: usize = 1 << 20;
+
+/// Reads a `len`-byte payload. Memory and the receive budget follow the bytes that actually
+/// arrive, a chunk at a time, never the size the header claims; and after a grace period of
+/// `base_timeout` the stream must keep up `min_rate_bytes_per_s` on average, or it is cut
+/// (a sender that claims a large frame and trickles it holds little and not for long).
+async fn read_payload<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    len: usize,
+    limits: &TransportLimits,
+    budget: &Arc<Semaphore>,
+) -> Result<(Vec<u8>, Option<OwnedSemaphorePermit>), String> {
+    let start = tokio::time::Instant::now();
+    let rate = limits.min_rate_bytes_per_s.max(1) as f64;
+    let mut payload = Vec::new();
+    let mut permit: Option<OwnedSemaphorePermit> = None;
+    while payload.len() < len {
+        let from = payload.len();
+        let to = (from + CHUNK).min(len);
+        // Waiting for budget (the application is behind) counts against the deadline too:
+        // the sender is held either way.
+        let deadline = start + limits.base_timeout + Duration::from_secs_f64(to as f64 / rate);
+        let more = tokio::time::timeout_at(
+            deadline,
+            budget.clone().acquire_many_owned((to - from) as u32),
+        )
+        .await
+        .map_err(|_| format!("frame of {len} bytes: receive budget exhausted for too long"))?
+        .map_err(|_| "receiver shutting down".to_string())?;
+        match &mut permit {
+            Some(p) => p.merge(more),
+            None => permit = Some(more),
+        }
+        payload.resize(to, 0);
+        tokio::time::timeout_at(deadline, stream.read_exact(&mut payload[from..]))
+            .await
+            .map_err(|_| {
+                format!("frame of {len} bytes: {from} received, slower than the minimum rate")
+            })?
+            .map_err(|e| format!("reading {len}-byte payload: {e}"))?;
+    }
+    Ok((payload, permit))
+}
+
 async fn receive_one<S: AsyncRead + AsyncWrite + Unpin>(
     peer: PeerId,
     stream: &mut S,
@@ -292,28 +339,7 @@ async fn receive_one<S: AsyncRead + AsyncWrite + Unpin>(
         .map_err(|e| format!("reading frame header: {e}"))?;
     let header = FrameHeader::parse(&header, &limits.frames).map_err(|e| e.to_string())?;
     let len = header.len as usize;
-    // Reserve the bytes before allocating them; waits while the application catches up.
-    let permit = tokio::time::timeout(limits.base_timeout, budget.acquire_many_owned(len as u32))
-        .await
-        .map_err(|_| "receive budget exhausted for too long".to_string())?
-        .map_err(|_| "receiver shutting down".to_string())?;
-    // Memory follows the bytes that actually arrive: a header alone costs a budget reservation,
-    // not an allocation of the size it claims. The buffer grows a chunk at a time, each chunk
-    // read in place.
-    const CHUNK: usize = 4 << 20;
-    let mut payload = Vec::new();
-    let read = async {
-        while payload.len() < len {
-            let start = payload.len();
-            payload.resize((start + CHUNK).min(len), 0);
-            stream.read_exact(&mut payload[start..]).await?;
-        }
-        std::io::Result::Ok(())
-    };
-    tokio::time::timeout(limits.timeout_for(len), read)
-        .await
-        .map_err(|_| format!("frame of {len} bytes not received in time"))?
-        .map_err(|e| format!("reading {len}-byte payload: {e}"))?;
+    let (payload, permit) = read_payload(stream, len, limits, &budget).await?;
     stream
         .write_all(&[ACK])
         .await

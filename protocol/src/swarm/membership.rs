@@ -14,6 +14,9 @@ pub struct Member {
     pub announcement: Announcement,
     /// When it was last heard from.
     pub last_seen: Duration,
+    /// The peer whose gossip introduced it, while it has given no evidence of its own (a
+    /// message on a connection of its own); None once it has.
+    pub relayed_by: Option<PeerKey>,
 }
 
 impl Member {
@@ -33,9 +36,37 @@ pub struct Membership {
 /// whatever the network sends).
 pub const MAX_MEMBERS: usize = 4096;
 
+/// Peers one relay may introduce that have not yet shown up on a connection of their own.
+/// Keys cost nothing to make; with this cap one relay fills at most an eighth of the table, and
+/// a peer that contacts this one directly finds room while introduced ones remain (it takes
+/// the place of the one heard from least recently).
+pub const MAX_RELAYED_PER_PEER: usize = MAX_MEMBERS / 8;
+
 impl Membership {
-    /// Records an announcement. Returns whether the peer is new.
+    /// Records an announcement the peer sent itself (on its own connection). Returns whether
+    /// the peer is new.
     pub fn update(&mut self, peer: PeerKey, announcement: Announcement, now: Duration) -> bool {
+        self.record(peer, announcement, now, None)
+    }
+
+    /// Records an announcement that `via` relayed (gossip). Returns whether the peer is new.
+    pub fn update_relayed(
+        &mut self,
+        peer: PeerKey,
+        announcement: Announcement,
+        now: Duration,
+        via: PeerKey,
+    ) -> bool {
+        self.record(peer, announcement, now, (via != peer).then_some(via))
+    }
+
+    fn record(
+        &mut self,
+        peer: PeerKey,
+        announcement: Announcement,
+        now: Duration,
+        relay: Option<PeerKey>,
+    ) -> bool {
         if announcement.state == MemberState::Leaving {
             self.members.remove(&peer);
             return false;
@@ -48,8 +79,15 @@ impl Membership {
                 return false;
             }
         }
-        let new = !self.members.contains_key(&peer);
-        if new && self.members.len() >= MAX_MEMBERS {
+        if let Some(m) = self.members.get_mut(&peer) {
+            m.announcement = announcement;
+            m.last_seen = now;
+            if relay.is_none() {
+                m.relayed_by = None;
+            }
+            return false;
+        }
+        if !self.room_for(relay) {
             return false;
         }
         self.members.insert(
@@ -57,15 +95,42 @@ impl Membership {
             Member {
                 announcement,
                 last_seen: now,
+                relayed_by: relay,
             },
         );
-        new
+        true
     }
 
-    /// Notes that `peer` was heard from (any message) without a new announcement.
+    /// Whether a new peer introduced by `relay` (None: by itself) can be added, making room if
+    /// it must and may.
+    fn room_for(&mut self, relay: Option<PeerKey>) -> bool {
+        if let Some(r) = relay {
+            let introduced = self
+                .members
+                .values()
+                .filter(|m| m.relayed_by == Some(r))
+                .count();
+            return introduced < MAX_RELAYED_PER_PEER && self.members.len() < MAX_MEMBERS;
+        }
+        if self.members.len() < MAX_MEMBERS {
+            return true;
+        }
+        // Full: the introduced peer heard from least recently gives way.
+        let victim = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.relayed_by.is_some())
+            .min_by_key(|(k, m)| (m.last_seen, **k))
+            .map(|(k, _)| *k);
+        victim.is_some_and(|k| self.members.remove(&k).is_some())
+    }
+
+    /// Notes that `peer` sent a message on its own connection (evidence that it exists, not
+    /// only that some peer says so).
     pub fn touch(&mut self, peer: PeerKey, now: Duration) {
         if let Some(m) = self.members.get_mut(&peer) {
             m.last_seen = now;
+            m.relayed_by = None;
         }
     }
 
@@ -346,6 +411,49 @@ mod tests {
             queue,
             ..crate::swarm::fixtures::serving(stage)
         }
+    }
+
+    /// Regression: 4,096 announcements signed by fresh keys filled the table and locked real
+    /// joiners out. A relay introduces at most its share of unconfirmed keys, and a peer heard
+    /// on its own connection takes the place of one of them.
+    #[test]
+    fn fresh_keys_relayed_by_a_few_peers_cannot_lock_a_joiner_out() {
+        let mut m = Membership::default();
+        let now = Duration::ZERO;
+        let mut fresh = 1_000_000;
+        for relay in 1..=20 {
+            for _ in 0..MAX_MEMBERS {
+                fresh += 1;
+                m.update_relayed(PeerKey(fresh), announcement(0, 1.0, 0), now, PeerKey(relay));
+            }
+        }
+        let by_relay = |r: u64| {
+            m.iter()
+                .filter(|(_, x)| x.relayed_by == Some(PeerKey(r)))
+                .count()
+        };
+        assert_eq!(by_relay(1), MAX_RELAYED_PER_PEER);
+        assert_eq!(m.len(), MAX_MEMBERS, "eight relays fill the table");
+        // The table is full, but a joiner that announces itself directly gets in.
+        assert!(m.update(
+            PeerKey(7),
+            announcement(1, 1.0, 0),
+            now + Duration::from_secs(1)
+        ));
+        assert_eq!(m.len(), MAX_MEMBERS);
+        assert!(m.get(PeerKey(7)).is_some_and(|x| x.relayed_by.is_none()));
+        // A relayed key that then sends a message of its own is confirmed.
+        let introduced = m
+            .iter()
+            .find(|(_, x)| x.relayed_by.is_some())
+            .map(|(k, _)| *k)
+            .unwrap();
+        m.touch(introduced, now);
+        assert!(m.get(introduced).unwrap().relayed_by.is_none());
+        // A peer's own announcement relayed by itself is direct evidence.
+        let mut own = Membership::default();
+        own.update_relayed(PeerKey(3), announcement(0, 1.0, 0), now, PeerKey(3));
+        assert!(own.get(PeerKey(3)).unwrap().relayed_by.is_none());
     }
 
     #[test]

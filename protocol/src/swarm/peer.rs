@@ -319,7 +319,7 @@ impl Peer {
         match msg {
             Message::Hello => out.send(from, Message::Config(self.config.clone())),
             Message::Config(_) => {}
-            Message::Announce(a) => self.on_announce(from, a, now),
+            Message::Announce(a) => self.on_announce(from, None, a, now),
             Message::Forward(f) => self.on_forward(from, f, now),
             Message::Backward(b) => self.on_backward(from, b, now),
             Message::Commit { id } => self.server.on_commit(out, from, id),
@@ -390,6 +390,23 @@ impl Peer {
                     self.resync(r, now);
                 }
             }
+        }
+        self.after(now);
+    }
+
+    /// A gossip announcement by `origin` that `via` relayed (gossip's propagation source; the
+    /// origin itself when they are equal). Unlike [`Peer::handle_message`], it is no evidence
+    /// that `origin` exists: a relay can introduce at most
+    /// [`super::membership::MAX_RELAYED_PER_PEER`] peers that never contact this one directly.
+    pub fn handle_gossip(&mut self, origin: PeerKey, via: PeerKey, msg: Message, now: Duration) {
+        if origin == self.me {
+            return;
+        }
+        match msg {
+            Message::Announce(a) => self.on_announce(origin, Some(via), a, now),
+            _ => self
+                .out
+                .violation(via, "gossip that is not an announcement"),
         }
         self.after(now);
     }
@@ -533,7 +550,7 @@ impl Peer {
 
     // ----- role: choosing, syncing, moving -----
 
-    fn on_announce(&mut self, from: PeerKey, a: Announcement, now: Duration) {
+    fn on_announce(&mut self, from: PeerKey, via: Option<PeerKey>, a: Announcement, now: Duration) {
         // No honest peer counts steps or rounds past the run's last step, or measures a
         // throughput that is not a number; such values would only feed arithmetic and
         // placement decisions.
@@ -552,7 +569,14 @@ impl Peer {
         if known.is_none_or(|r| a.round > r) {
             self.driver.note_advance(now);
         }
-        self.members.update(from, a.clone(), now);
+        let admitted = match via {
+            Some(via) => self.members.update_relayed(from, a.clone(), now, via),
+            None => self.members.update(from, a.clone(), now),
+        };
+        if !admitted && self.members.get(from).is_none() {
+            // No room for it (see `Membership`): nothing of it is known.
+            return;
+        }
         let Some(stage) = self.role.serving() else {
             return;
         };
