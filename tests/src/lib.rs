@@ -58,7 +58,7 @@ impl NodeProcess {
     pub fn start(dir: &Path, name: &str, extra: &[&str]) -> NodeProcess {
         let mut node = Self::spawn(dir, name, extra);
         let listening = node.wait_for(Duration::from_secs(30), |e| {
-            e["event"] == "listening" && e["addr"].as_str().is_some_and(|a| a.contains("127.0.0.1"))
+            e["event"] == "listening" && e["addr"].as_str().is_some_and(|a| a.contains("/ip4/127."))
         });
         node.addr = listening["addr"].as_str().expect("address").to_owned();
         node

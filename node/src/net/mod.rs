@@ -249,6 +249,24 @@ impl NodeHandle {
         tensor::open_stream(&mut control, peer).await
     }
 
+    /// The direct endpoint `peer` advertised, if it did.
+    pub fn direct_addr(&self, peer: PeerId) -> Option<SocketAddr> {
+        self.direct_addrs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&peer)
+            .copied()
+    }
+
+    /// Opens a raw stream to `peer`'s direct endpoint (for tools that speak the framing
+    /// themselves); fails if either side has none.
+    pub async fn open_direct_stream(&self, peer: PeerId) -> std::io::Result<direct::DirectStream> {
+        let none = || std::io::Error::new(std::io::ErrorKind::NotFound, "no direct endpoint");
+        let endpoint = self.direct.as_ref().ok_or_else(none)?;
+        let addr = self.direct_addr(peer).ok_or_else(none)?;
+        endpoint.open_stream(peer, addr).await
+    }
+
     /// Sends one frame to `peer` on its own stream; resolves once the peer has it. Uses the
     /// peer's direct endpoint when it has one that answers, the libp2p connection otherwise.
     ///
