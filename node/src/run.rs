@@ -88,7 +88,43 @@ fn load_checkpoint(dir: &Path) -> anyhow::Result<Option<Checkpoint>> {
     };
     let ckpt: Checkpoint = postcard::from_bytes(&bytes)
         .with_context(|| format!("{} is not a shoal checkpoint", path.display()))?;
+    ckpt.check()
+        .with_context(|| format!("{} holds an invalid checkpoint", path.display()))?;
     Ok(Some(ckpt))
+}
+
+impl Checkpoint {
+    /// What a file can claim is checked before anything is built from it (the state itself is
+    /// checked for its size and finiteness when the stage imports it).
+    fn check(&self) -> anyhow::Result<()> {
+        check_run_config(&self.config)?;
+        if self.stage >= self.config.stages {
+            bail!(
+                "stage {} of a run with {} stages",
+                self.stage,
+                self.config.stages
+            );
+        }
+        if self.step > self.config.max_steps || self.round > self.step {
+            bail!(
+                "step {} and round {} of a run of {} steps",
+                self.step,
+                self.round,
+                self.config.max_steps
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A run's configuration from a file or a peer: valid settings, a known model, and stages
+/// that split it.
+fn check_run_config(config: &RunConfig) -> anyhow::Result<()> {
+    config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let model = model_of(config).map_err(|e| anyhow::anyhow!("{e}"))?;
+    shoal_compute::StageSpec::check_pipeline(&model, config.stages as usize, config.seq as usize)
+        .with_context(|| format!("{} stages of sequence length {}", config.stages, config.seq))?;
+    Ok(())
 }
 
 fn save_checkpoint(dir: &Path, ckpt: &Checkpoint) -> anyhow::Result<()> {
@@ -269,7 +305,7 @@ async fn learn_config(
                     Envelope::from_bytes(&frame.payload)
                 {
                     if r == run && config.run_id() == run {
-                        config.validate().map_err(|e| anyhow::anyhow!("the run's configuration: {e}"))?;
+                        check_run_config(&config).context("the run's configuration")?;
                         return Ok(config);
                     }
                     tracing::warn!(peer = %frame.peer, "configuration of another run");
@@ -787,5 +823,91 @@ impl Progress {
         if self.tty {
             println!();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn checkpoint() -> Checkpoint {
+        Checkpoint {
+            config: RunConfig {
+                preset: "nano".into(),
+                stages: 2,
+                global_batch: 8,
+                microbatch: 2,
+                seq: 32,
+                sync: SyncMode::AllReduce,
+                lr: 1e-3,
+                max_steps: 10,
+                codecs: TrafficCodecs::default(),
+                data: DataSource::Synthetic,
+                seed: 1,
+            },
+            stage: 1,
+            step: 4,
+            round: 4,
+            state: Vec::new(),
+        }
+    }
+
+    /// Regression: a checkpoint's configuration was trusted as read.
+    #[test]
+    fn a_checkpoint_that_cannot_be_is_refused_with_its_reason() {
+        let dir = std::env::temp_dir().join(format!("shoal-ckpt-{}", std::process::id()));
+        let good = checkpoint();
+        save_checkpoint(&dir, &good).unwrap();
+        assert!(load_checkpoint(&dir).unwrap().is_some());
+        let bad: [(Checkpoint, &str); 5] = [
+            (
+                Checkpoint {
+                    stage: 2,
+                    ..checkpoint()
+                },
+                "stage 2",
+            ),
+            (
+                Checkpoint {
+                    step: 11,
+                    round: 11,
+                    ..checkpoint()
+                },
+                "step 11",
+            ),
+            (
+                Checkpoint {
+                    round: 5,
+                    ..checkpoint()
+                },
+                "round 5",
+            ),
+            (
+                Checkpoint {
+                    config: RunConfig {
+                        preset: "gpt9".into(),
+                        ..checkpoint().config
+                    },
+                    ..checkpoint()
+                },
+                "preset",
+            ),
+            (
+                Checkpoint {
+                    config: RunConfig {
+                        stages: 4096,
+                        ..checkpoint().config
+                    },
+                    ..checkpoint()
+                },
+                "4096 stages",
+            ),
+        ];
+        for (ckpt, why) in bad {
+            save_checkpoint(&dir, &ckpt).unwrap();
+            let e = format!("{:#}", load_checkpoint(&dir).unwrap_err());
+            assert!(e.contains("invalid checkpoint") && e.contains(why), "{e}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
