@@ -60,6 +60,8 @@ pub struct Report {
     pub double_commits: u64,
     /// Replicas that re-synced after a parameter hash disagreement.
     pub resyncs: u64,
+    /// Protocol violations the peers reported (every simulated peer is honest: must be 0).
+    pub violations: u64,
     /// Disruptions and recovery times.
     pub recoveries: Vec<Recovery>,
     /// Rebalancing: `[sim_s, peer, from_stage, to_stage]` of every stage move (peers are
@@ -157,6 +159,7 @@ impl Report {
             ),
         );
         row(&mut out, "re-syncs", self.resyncs.to_string());
+        row(&mut out, "violations", self.violations.to_string());
         let moves: Vec<String> = self
             .moves
             .iter()

@@ -195,6 +195,7 @@ pub struct Sim {
     committed: BTreeSet<(u32, u64)>,
     double_commits: u64,
     resyncs: u64,
+    violations: u64,
     pending: Vec<Pending>,
     recoveries: Vec<Recovery>,
     gone_stats: Vec<(u64, u64)>,
@@ -234,6 +235,7 @@ impl Sim {
             committed: BTreeSet::new(),
             double_commits: 0,
             resyncs: 0,
+            violations: 0,
             pending: Vec::new(),
             recoveries: Vec::new(),
             gone_stats: Vec::new(),
@@ -668,6 +670,7 @@ impl Sim {
                 }
             }
             Event::Resync { .. } => self.resyncs += 1,
+            Event::Violation { .. } => self.violations += 1,
             Event::Moving { from, to } => self.moves.push((self.now_s(), i, from, to)),
             _ => {}
         }
@@ -801,6 +804,7 @@ impl Sim {
             microbatches_retried: retried,
             double_commits: self.double_commits,
             resyncs: self.resyncs,
+            violations: self.violations,
             recoveries: self.recoveries,
             moves: self.moves,
             slowest_stage,

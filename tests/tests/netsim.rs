@@ -59,6 +59,7 @@ fn a_seed_fixes_the_whole_trace() {
     for r in [&a, &c] {
         assert!(r.finished, "{}", r.table());
         assert_eq!(r.double_commits, 0, "{}", r.table());
+        assert_eq!(r.violations, 0, "honest peers break no rule: {}", r.table());
         assert_eq!(r.peers, 7);
         let first = r.loss_curve.first().unwrap().2;
         assert!(r.final_loss.unwrap() < first - 0.3, "{}", r.table());
@@ -116,6 +117,7 @@ fn a_badly_balanced_swarm_rebalances_once_per_peer() {
     let table = r.table();
     assert!(r.finished, "{table}");
     assert_eq!(r.double_commits, 0, "{table}");
+    assert_eq!(r.violations, 0, "{table}");
     assert!(!r.moves.is_empty(), "{table}");
     let (start, end) = r.slowest_stage;
     assert!(end >= 1.25 * start, "{table}");

@@ -10,6 +10,7 @@ use super::PeerKey;
 use super::interface::Event;
 use super::membership::Membership;
 use super::message::{MemberState, Message};
+use super::norms;
 use super::outbox::Outbox;
 use super::server::decode;
 use crate::{Codec, Encoder};
@@ -145,6 +146,7 @@ impl CatchUp {
     /// or malformed answer, a download from that replica.
     pub fn on_answer(
         &mut self,
+        out: &mut Outbox,
         from: PeerKey,
         round: u64,
         samples: f64,
@@ -155,12 +157,29 @@ impl CatchUp {
             return None;
         }
         self.asked = None;
-        let values =
-            decode(data, len).filter(|v| !data.is_empty() && v.len() == len && samples.is_finite());
-        Some(values.ok_or(Resync {
+        let download = Resync {
             from,
             reason: "a replica of this stage is ahead",
-        }))
+        };
+        if data.is_empty() {
+            // Its record no longer holds the round: an honest answer.
+            return Some(Err(download));
+        }
+        let Some(values) = decode(data, len).filter(|v| v.len() == len && samples.is_finite())
+        else {
+            out.violation(
+                from,
+                "a catch-up malformed, of the wrong size or not finite",
+            );
+            return Some(Err(download));
+        };
+        // The rounds this replica applied itself say how large a round's result is.
+        let expected = self.history.rounds.back().map_or(0.0, |h| norms::rms(&h.1));
+        if !norms::within(norms::rms(&values), expected) {
+            out.violation(from, "a catch-up far larger than the rounds before it");
+            return Some(Err(download));
+        }
+        Some(Ok(values))
     }
 
     /// A request that got no answer by its deadline: download the state instead.
@@ -249,15 +268,21 @@ mod tests {
             panic!("an answer");
         };
         // Not from the replica asked, or about another round: ignored.
-        assert_eq!(mine.on_answer(PeerKey(8), 4, samples, &data, 3), None);
-        assert_eq!(mine.on_answer(PeerKey(9), 3, samples, &data, 3), None);
         assert_eq!(
-            mine.on_answer(PeerKey(9), 4, samples, &data, 3),
+            mine.on_answer(&mut out, PeerKey(8), 4, samples, &data, 3),
+            None
+        );
+        assert_eq!(
+            mine.on_answer(&mut out, PeerKey(9), 3, samples, &data, 3),
+            None
+        );
+        assert_eq!(
+            mine.on_answer(&mut out, PeerKey(9), 4, samples, &data, 3),
             Some(Ok(vec![0.25; 3]))
         );
         assert!(!mine.asking());
         assert_eq!(
-            mine.on_answer(PeerKey(9), 4, samples, &data, 3),
+            mine.on_answer(&mut out, PeerKey(9), 4, samples, &data, 3),
             None,
             "once"
         );
@@ -273,13 +298,13 @@ mod tests {
         let mut out = Outbox::new(ME);
         // The record is gone: the answer is empty.
         c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
-        let empty = c.on_answer(PeerKey(9), 4, 0.0, &[], 3);
+        let empty = c.on_answer(&mut out, PeerKey(9), 4, 0.0, &[], 3);
         assert_eq!(empty.map(|r| r.map_err(|e| e.from)), Some(Err(PeerKey(9))));
         // The wrong size.
         c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
         let two = crate::codec::encode_to_vec(Codec::Fp32, &[1.0; 2], &[2]).unwrap();
         assert!(matches!(
-            c.on_answer(PeerKey(9), 4, 1.0, &two, 3),
+            c.on_answer(&mut out, PeerKey(9), 4, 1.0, &two, 3),
             Some(Err(_))
         ));
         // Regression: a NaN in the answer was applied as a step, turning the stage's
@@ -287,9 +312,22 @@ mod tests {
         c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
         let nan = fixtures::poisoned(3);
         assert!(matches!(
-            c.on_answer(PeerKey(9), 4, 1.0, &nan, 3),
+            c.on_answer(&mut out, PeerKey(9), 4, 1.0, &nan, 3),
             Some(Err(_))
         ));
+        assert_eq!(
+            out.violations, 2,
+            "the wrong size and the NaN, not the empty record"
+        );
+        // Finite, but a million times larger than the rounds this replica applied itself.
+        c.remember(3, &[0.5; 3], 8.0);
+        c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
+        let huge = crate::codec::encode_to_vec(Codec::Fp32, &[5e5; 3], &[3]).unwrap();
+        assert!(matches!(
+            c.on_answer(&mut out, PeerKey(9), 4, 1.0, &huge, 3),
+            Some(Err(_))
+        ));
+        assert_eq!(out.violations, 3);
         // No answer by the deadline.
         c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
         assert_eq!(c.deadline(), Some(300 * MS));

@@ -17,6 +17,7 @@
 use super::PeerKey;
 use super::config::Timing;
 use super::message::{RoundKey, RoundMsg};
+use super::norms;
 use crate::{Codec, Decoder, Encoder};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
@@ -101,6 +102,9 @@ pub struct Round {
     /// Averaged parts as encoded, to answer requests.
     encoded: BTreeMap<u32, (f64, Option<f64>, Vec<u8>)>,
     own_samples: f64,
+    /// Root-mean-square per sample of this member's own contribution: what it expects the
+    /// others' parts and the averaged parts to be near (see [`super::norms`]).
+    own_scale: f64,
     loss: Option<f64>,
     missing_answers: BTreeMap<u32, BTreeSet<PeerKey>>,
     started: Duration,
@@ -142,6 +146,7 @@ impl Round {
             averaged: Vec::new(),
             encoded: BTreeMap::new(),
             own_samples: 0.0,
+            own_scale: 0.0,
             loss: None,
             missing_answers: BTreeMap::new(),
             started: now,
@@ -279,6 +284,7 @@ impl Round {
             return;
         };
         self.own_samples = samples;
+        self.own_scale = norms::rms(values) / samples.max(1.0);
         self.started = now;
         let mut buf = Vec::new();
         for j in 0..self.group.len() {
@@ -395,6 +401,13 @@ impl Round {
                 }
                 let expect = self.range(me).len();
                 match self.decode(&data, expect) {
+                    Some(v)
+                        if !norms::within(norms::rms(&v) / samples.max(1.0), self.own_scale) =>
+                    {
+                        self.violation(from, "a part far larger than this member's own");
+                        // Counted as a member that contributed nothing.
+                        self.shares.insert(from, (Vec::new(), 0.0, None));
+                    }
                     Some(v) => {
                         self.shares.insert(from, (v, samples, loss));
                     }
@@ -440,6 +453,9 @@ impl Round {
                 }
                 let expect = self.range(j).len();
                 match self.decode(&data, expect) {
+                    Some(v) if !norms::within(norms::rms(&v), self.own_scale) => {
+                        self.violation(from, "an averaged part far larger than this member's own");
+                    }
                     Some(v) => {
                         self.averaged[j] = Some(v);
                         if self.loss.is_none() {
@@ -768,6 +784,64 @@ mod tests {
         BeforeParts,
         BeforeAveraged,
         MidAveraged,
+    }
+
+    /// A member's part or an owner's averaged part a million times larger than this member's
+    /// own contribution is a violation: the part counts as a member that gave nothing, the
+    /// averaged part is not applied.
+    #[test]
+    fn parts_far_larger_than_this_members_own_are_refused() {
+        let key = RoundKey { stage: 0, index: 0 };
+        let (a, b) = (PeerKey(1), PeerKey(2));
+        let mut r = Round::lead(key, a, &[b], 8, Codec::Fp32, timing(), Duration::ZERO);
+        r.handle(b, RoundMsg::Join, Duration::ZERO);
+        while r.poll().is_some() {}
+        r.contribute(&[2.0; 8], 2.0, None, Duration::ZERO);
+        while r.poll().is_some() {}
+        let huge = crate::codec::encode_to_vec(Codec::Fp32, &[1e6; 4], &[4]).unwrap();
+        r.handle(
+            b,
+            RoundMsg::Part {
+                part: 0,
+                samples: 2.0,
+                loss: None,
+                data: huge.clone(),
+            },
+            MS,
+        );
+        r.handle(
+            b,
+            RoundMsg::Averaged {
+                part: 1,
+                samples: 4.0,
+                loss: None,
+                data: huge,
+            },
+            MS,
+        );
+        let mut out = Vec::new();
+        while let Some(o) = r.poll() {
+            out.push(o);
+        }
+        let blamed: Vec<&str> = out
+            .iter()
+            .filter_map(|o| match o {
+                RoundOut::Violation(who, what) if *who == b => Some(*what),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(blamed.len(), 2, "{out:?}");
+        // Its own part averaged without the refused share: this member's values alone.
+        let sent = out.iter().find_map(|o| match o {
+            RoundOut::Send(to, RoundMsg::Averaged { data, .. }) if *to == b => Some(data),
+            _ => None,
+        });
+        let (_, avg) = crate::codec::decode_to_vec(sent.expect("part 0 averaged")).unwrap();
+        assert_eq!(avg, vec![1.0; 4]);
+        assert!(
+            r.averaged[1].is_none(),
+            "the huge averaged part was not taken"
+        );
     }
 
     #[test]

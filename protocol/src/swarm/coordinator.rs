@@ -513,7 +513,10 @@ impl StepCoordinator {
             return None;
         }
         let len = self.params(stage);
-        let values = match self.catch_up.on_answer(from, round, samples, data, len)? {
+        let values = match self
+            .catch_up
+            .on_answer(out, from, round, samples, data, len)?
+        {
             Ok(values) if !self.rounds.active() => values,
             Ok(_) => {
                 return Some(Resync {

@@ -48,6 +48,7 @@ mod interface;
 pub mod ledger;
 pub mod membership;
 pub mod message;
+pub mod norms;
 mod outbox;
 pub mod peer;
 mod progress;

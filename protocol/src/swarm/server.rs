@@ -13,6 +13,7 @@
 use super::PeerKey;
 use super::interface::{Event, Input, Job};
 use super::message::{Backward, Forward, Message};
+use super::norms::{self, NormReference};
 use super::outbox::Outbox;
 use crate::{Codec, Decoder, Encoder};
 use std::collections::BTreeMap;
@@ -118,6 +119,10 @@ pub(super) struct StageServer {
     commits_queued: f64,
     held_forwards: Vec<HeldForward>,
     encoder: Encoder,
+    /// Sizes of the activations accepted lately (see [`super::norms`]).
+    pub activation_norms: NormReference,
+    /// Sizes of the activation gradients accepted lately.
+    pub gradient_norms: NormReference,
 }
 
 /// Decodes a tensor of at most `max` values; None if it is malformed.
@@ -220,6 +225,11 @@ impl StageServer {
             out.send(driver, Message::Reject { id: f.id });
             return Arrival::Rejected;
         };
+        if !self.activation_norms.admits(norms::rms(&acts)) {
+            out.violation(from, "activations far larger than this stage has seen");
+            out.send(driver, Message::Reject { id: f.id });
+            return Arrival::Rejected;
+        }
         let (job_targets, hop_targets) = if at.last {
             (Some(f.targets), Vec::new())
         } else {
@@ -320,6 +330,14 @@ impl StageServer {
             || h.backward_done
             || grad.len() != at.activation_values * h.rows as usize
         {
+            return;
+        }
+        if !self.gradient_norms.admits(norms::rms(&grad)) {
+            // Its driver retries the microbatch when its deadline passes.
+            out.violation(
+                from,
+                "an activation gradient far larger than this stage has seen",
+            );
             return;
         }
         h.route = b.route;

@@ -128,16 +128,20 @@ impl ToyStage {
             } => {
                 let sample = match input {
                     Input::Sample { index } => index,
-                    Input::Activations(a) => {
-                        a[0].to_bits() as u64 | ((a[1].to_bits() as u64) << 32)
-                    }
+                    Input::Activations(a) => a[..6]
+                        .iter()
+                        .rev()
+                        .fold(0, |id, x| (id << 8) | (*x as u64 - 256)),
                 };
                 self.sample_of.insert(id, sample);
                 self.version_of.insert(id, self.version);
                 let n = rows as usize * ACTS_PER_ROW;
-                let mut acts = vec![0.0f32; n];
-                acts[0] = f32::from_bits(sample as u32);
-                acts[1] = f32::from_bits((sample >> 32) as u32);
+                // The sample id travels in the activations a byte per value, each value of the
+                // same size (a receiver refuses activations far larger than usual).
+                let mut acts = vec![256.0f32; n];
+                for (k, a) in acts[..6].iter_mut().enumerate() {
+                    *a += ((sample >> (8 * k)) & 0xFF) as f32;
+                }
                 let output = if self.stage + 1 == stages {
                     Output::Loss(1.0)
                 } else {

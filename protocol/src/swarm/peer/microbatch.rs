@@ -10,6 +10,7 @@ use crate::swarm::driver;
 use crate::swarm::interface::{Event, Job, Output};
 use crate::swarm::membership::Routing;
 use crate::swarm::message::{Backward, Forward, MemberState, Message};
+use crate::swarm::norms;
 use crate::swarm::server::{self, Arrival, ForwardHeader, PendingCommit, Serving};
 use std::time::Duration;
 
@@ -211,11 +212,22 @@ impl Peer {
         };
         let Some(grad) = server::decode(&b.grad, self.activation_len(self.config.microbatch))
         else {
-            self.out
-                .event(Event::Warning(format!("bad gradient from {from}")));
+            self.out.violation(
+                from,
+                "an activation gradient malformed, too large or not finite",
+            );
             return;
         };
         if stage == 0 && self.driver.entry(b.id).is_some() {
+            let size = norms::rms(&grad);
+            if !self.server.gradient_norms.fits(size) {
+                // The attempt times out and is retried.
+                self.out.violation(
+                    from,
+                    "an activation gradient far larger than this stage has seen",
+                );
+                return;
+            }
             let (id, values) = (b.id, grad.len());
             let (stages, per_sample) = (self.config.stages, self.costs.activation_values);
             let accepted = self.driver.came_home(
@@ -228,6 +240,7 @@ impl Peer {
                 per_sample,
             );
             if let Some((sample, rows)) = accepted {
+                self.server.gradient_norms.record(size);
                 self.server.expect_commit(id, sample, rows, None);
                 self.out.compute(Job::Backward {
                     id,

@@ -75,6 +75,16 @@ impl Attacker {
             .unwrap_or(&u64::MAX)
     }
 
+    /// A tensor of `n` values, each finite but absurd (1e30) half of the time, one NaN
+    /// otherwise.
+    fn bad_tensor(&mut self, n: usize) -> Vec<u8> {
+        if self.below(2) == 0 {
+            crate::codec::encode_to_vec(Codec::Fp32, &vec![1e30; n], &[n]).expect("encodes")
+        } else {
+            poisoned(n)
+        }
+    }
+
     fn weird(&mut self) -> f64 {
         [f64::NAN, f64::INFINITY, -1.0, 1e300, f64::MIN_POSITIVE][self.below(5)]
     }
@@ -156,7 +166,7 @@ impl Attacker {
                 match self.below(5) {
                     0 => f.round = self.big(),
                     1 => f.rows = [0, u32::MAX, f.rows * 2][self.below(3)],
-                    2 => f.activations = poisoned(f.rows as usize * ACTS_PER_ROW),
+                    2 => f.activations = self.bad_tensor(f.rows as usize * ACTS_PER_ROW),
                     3 => f.targets = vec![u32::MAX; 1000],
                     _ => f.activations.truncate(f.activations.len() / 2),
                 }
@@ -167,7 +177,8 @@ impl Attacker {
                     Message::Backward(b) => Some(b.clone()),
                     _ => None,
                 })?;
-                b.grad = poisoned(self.below(64) + 1);
+                let n = [self.below(64) + 1, 2 * ACTS_PER_ROW][self.below(2)];
+                b.grad = self.bad_tensor(n);
                 (to, Message::Backward(b), "backward forged")
             }
             4..=6 => {
@@ -218,7 +229,7 @@ impl Attacker {
                     ..key
                 };
                 let part = [0, 1, u32::MAX][self.below(3)];
-                let data = poisoned(PARAMS / 2);
+                let data = self.bad_tensor(PARAMS / 2);
                 let samples = self.weird();
                 let msg = match (variant, self.below(3)) {
                     (8, 0) => RoundMsg::Join,
@@ -262,7 +273,7 @@ impl Attacker {
                     stage,
                     round: [round, round + 1][self.below(2)],
                     samples: self.weird(),
-                    data: poisoned(PARAMS),
+                    data: self.bad_tensor(PARAMS),
                 };
                 (to, msg, "catch-up unasked")
             }
