@@ -23,7 +23,7 @@ use super::averaging::RoundOut;
 use super::config::{RunConfig, SyncMode, Timing};
 use super::driver::Demand;
 use super::interface::{Event, Job};
-use super::membership::Membership;
+use super::membership::{Membership, Standing};
 use super::message::{Announcement, MemberState, Message, RoundKey, RoundMsg};
 use super::outbox::Outbox;
 use super::progress::StageProgress;
@@ -563,12 +563,11 @@ impl StepCoordinator {
     ) {
         // Rounds are among a stage's replicas: a message from a peer that neither serves the
         // stage nor is a member of the round it is about changes nothing.
-        let replica = members.get(from).is_some_and(|m| m.serves(key.stage));
-        if !replica && !self.rounds.has_member(key, from) {
-            out.violation(
-                from,
-                "a round message from a peer that is not a replica of the stage",
-            );
+        let standing = members.standing(from, key.stage);
+        if standing != Standing::Replica && !self.rounds.has_member(key, from) {
+            if standing == Standing::NotAReplica {
+                out.violation(from, "a round message from a peer that serves no stage");
+            }
             return;
         }
         let len = self.params(key.stage);

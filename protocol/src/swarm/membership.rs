@@ -26,6 +26,20 @@ impl Member {
     }
 }
 
+/// What this peer's view says of a sender's claim to be a replica of a stage. The view lags
+/// (announcements travel by gossip, other messages directly, and either may come first), so
+/// only a sender known to serve no stage at all is taken to break a rule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Standing {
+    /// It serves the stage.
+    Replica,
+    /// Unknown yet, or announced a stage (this one while syncing, or another it may have just
+    /// left): its message is dropped, no rule is known to be broken.
+    Unsure,
+    /// It announced that it serves no stage.
+    NotAReplica,
+}
+
 /// The other peers of the run (never this peer itself).
 #[derive(Clone, Debug, Default)]
 pub struct Membership {
@@ -151,6 +165,15 @@ impl Membership {
             self.members.remove(k);
         }
         gone
+    }
+
+    /// What `peer`'s last announcement says of its claim to serve `stage`.
+    pub fn standing(&self, peer: PeerKey, stage: u32) -> Standing {
+        match self.members.get(&peer) {
+            Some(m) if m.serves(stage) => Standing::Replica,
+            Some(m) if m.announcement.stage.is_none() => Standing::NotAReplica,
+            _ => Standing::Unsure,
+        }
     }
 
     /// One peer.

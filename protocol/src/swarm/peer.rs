@@ -16,7 +16,7 @@ use super::coordinator::{Settings, StepCoordinator};
 use super::driver::Driver;
 use super::exports::StateExports;
 pub use super::interface::{Action, ComputeDone, Event, Input, Job, Output, PeerStats, Resume};
-use super::membership::{Membership, Placement, Routing};
+use super::membership::{Membership, Placement, Routing, Standing};
 use super::message::{Announcement, MemberState, Message, StateChunk};
 use super::outbox::Outbox;
 use super::role::{self, ChunkOutcome, Phase, Role};
@@ -327,14 +327,13 @@ impl Peer {
             Message::Reject { id } => {
                 // Any hop of the route may reject, and the driver knows only the first; a
                 // rejection from a peer that serves no stage is not a hop's.
-                if self
-                    .members
-                    .get(from)
-                    .is_some_and(|m| m.announcement.stage.is_some())
-                {
-                    self.driver.fail(id, now);
-                } else {
-                    out.violation(from, "a rejection from a peer that serves no stage");
+                match self.members.get(from).map(|m| m.announcement.stage) {
+                    Some(Some(_)) => self.driver.fail(id, now),
+                    Some(None) => {
+                        out.violation(from, "a rejection from a peer that serves no stage")
+                    }
+                    // Not heard of yet: its attempt times out instead.
+                    None => {}
                 }
             }
             Message::Progress {
@@ -343,10 +342,12 @@ impl Peer {
                 samples,
                 in_flight,
             } => {
-                if !self.members.get(from).is_some_and(|m| m.serves(stage)) {
+                let standing = self.members.standing(from, stage);
+                if standing == Standing::NotAReplica {
                     // Counting it would let anyone close a stage's round early.
-                    out.violation(from, "a progress report from a peer that is not a replica");
-                } else if self.role.stage() == Some(stage)
+                    out.violation(from, "a progress report from a peer that serves no stage");
+                } else if standing == Standing::Replica
+                    && self.role.stage() == Some(stage)
                     && self.steps.on_progress(from, round, samples, in_flight)
                 {
                     self.maybe_begin_round(now);
@@ -358,21 +359,19 @@ impl Peer {
                 }
             }
             Message::StateRequest { stage } => {
-                if self.members.get(from).is_none() {
-                    out.violation(
-                        from,
-                        "a state request from a peer that never announced itself",
-                    );
-                } else if self.role.serving() == Some(stage) {
+                // A joiner's request may overtake its announcement: anyone may ask, and
+                // exports are few at a time and one per requester (see `StateExports`).
+                if self.role.serving() == Some(stage) {
                     let in_round = self.steps.in_round();
                     self.exports.request(out, from, in_round, now);
                 }
             }
             Message::StateChunk(c) => self.on_chunk(from, c, now),
             Message::CatchUpRequest { stage, round } => {
-                if !self.members.get(from).is_some_and(|m| m.serves(stage)) {
-                    out.violation(from, "a catch-up request from a peer that is not a replica");
-                } else if self.role.serving() == Some(stage) {
+                let standing = self.members.standing(from, stage);
+                if standing == Standing::NotAReplica {
+                    out.violation(from, "a catch-up request from a peer that serves no stage");
+                } else if standing == Standing::Replica && self.role.serving() == Some(stage) {
                     self.steps.answer_catch_up(out, from, stage, round);
                 }
             }

