@@ -60,8 +60,15 @@ pub struct Report {
     pub double_commits: u64,
     /// Replicas that re-synced after a parameter hash disagreement.
     pub resyncs: u64,
-    /// Protocol violations the peers reported (every simulated peer is honest: must be 0).
+    /// Protocol violations the peers reported (0 where every simulated peer is honest).
     pub violations: u64,
+    /// Peers that attack at some point (numbered in the order they joined).
+    pub attackers: Vec<usize>,
+    /// Honest replicas alive at the end that hold a parameter or optimizer value that is not
+    /// finite (real compute).
+    pub nonfinite_replicas: usize,
+    /// Whether every stage's honest replicas at its last round hold one parameter hash.
+    pub honest_agree: bool,
     /// Disruptions and recovery times.
     pub recoveries: Vec<Recovery>,
     /// Rebalancing: `[sim_s, peer, from_stage, to_stage]` of every stage move (peers are
@@ -160,6 +167,23 @@ impl Report {
         );
         row(&mut out, "re-syncs", self.resyncs.to_string());
         row(&mut out, "violations", self.violations.to_string());
+        if !self.attackers.is_empty() {
+            let ids: Vec<String> = self.attackers.iter().map(|i| i.to_string()).collect();
+            row(&mut out, "attackers", ids.join(", "));
+            row(
+                &mut out,
+                "honest replicas",
+                format!(
+                    "{} agree, {} hold a value that is not finite",
+                    if self.honest_agree {
+                        "all"
+                    } else {
+                        "do not all"
+                    },
+                    self.nonfinite_replicas
+                ),
+            );
+        }
         let moves: Vec<String> = self
             .moves
             .iter()

@@ -13,7 +13,7 @@ use crate::device::DeviceProfile;
 use crate::link::{AccessLink, deliver};
 use crate::modelled::ModelledStage;
 use crate::report::{Recovery, Report};
-use crate::scenario::{Compute, EventKind, Group, Setup};
+use crate::scenario::{Behavior, Compute, EventKind, Group, Setup};
 use shoal_compute::{Corpus, CpuBackend};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
@@ -75,9 +75,61 @@ struct SimPeer {
     busy_total: f64,
     /// The deadline its pending timer event is for.
     timer: Option<u64>,
+    /// What it does with its averaging contributions, and from when (simulated seconds).
+    behavior: Behavior,
+    behavior_from: f64,
+    /// Its own noise (seeded by its key: an attacker draws nothing from the simulation's).
+    noise: SeededRng,
 }
 
 impl SimPeer {
+    /// Its averaging contribution as it sends it: an attacker's, changed.
+    fn contribution(&mut self, mut values: Vec<f32>, now: f64) -> Vec<f32> {
+        if now < self.behavior_from {
+            return values;
+        }
+        match self.behavior {
+            Behavior::Honest => {}
+            Behavior::SignFlip => values.iter_mut().for_each(|v| *v = -*v),
+            Behavior::Scale(f) => values.iter_mut().for_each(|v| *v *= f),
+            Behavior::Zero => values.iter_mut().for_each(|v| *v = 0.0),
+            Behavior::Nan => {
+                if let Some(v) = values.first_mut() {
+                    *v = f32::NAN;
+                }
+            }
+            Behavior::Noise(sigma) => {
+                for v in &mut values {
+                    // Box-Muller from two uniform draws.
+                    let u1 = ((self.noise.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+                    let u2 = (self.noise.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+                    let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+                    *v += sigma * z as f32;
+                }
+            }
+        }
+        values
+    }
+
+    /// Whether it attacks at some point of the run.
+    fn attacker(&self) -> bool {
+        self.behavior != Behavior::Honest
+    }
+
+    /// Whether its replica holds a parameter or optimizer value that is not finite (real
+    /// compute only).
+    fn holds_nonfinite(&self) -> bool {
+        let Worker::Real(w) = &self.worker else {
+            return false;
+        };
+        w.replica()
+            .and_then(|r| r.export_state().ok())
+            .is_some_and(|state| {
+                state
+                    .chunks_exact(4)
+                    .any(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite())
+            })
+    }
     fn alive(&self) -> bool {
         self.gone_at.is_none()
     }
@@ -360,6 +412,14 @@ impl Sim {
             }
             Ev::Computed { peer, done } => {
                 if self.peers[peer].alive() {
+                    let at = self.now_s();
+                    let done = match done {
+                        ComputeDone::Gradient { values, samples } => ComputeDone::Gradient {
+                            values: self.peers[peer].contribution(values, at),
+                            samples,
+                        },
+                        other => other,
+                    };
                     self.peers[peer].machine.handle_compute_done(done, now);
                     self.after(peer);
                 }
@@ -425,6 +485,9 @@ impl Sim {
                 busy_until: self.now_s(),
                 busy_total: 0.0,
                 timer: None,
+                behavior: group.behavior,
+                behavior_from: group.behavior_from_s,
+                noise: SeededRng::new(key.0 ^ 0x6e6f_6973_6521),
             });
             self.after(index);
         }
@@ -776,6 +839,32 @@ impl Sim {
                 at_s: p.at,
                 seconds: None,
             }));
+        let honest = || {
+            self.peers
+                .iter()
+                .filter(|p| p.alive() && !p.attacker() && p.machine.is_serving())
+        };
+        let nonfinite_replicas = honest().filter(|p| p.holds_nonfinite()).count();
+        // Every stage's honest replicas at its last round hold one parameter hash (a replica
+        // that has not averaged since it downloaded has none to compare).
+        let mut last: BTreeMap<u32, (u64, BTreeSet<u64>)> = BTreeMap::new();
+        for p in honest() {
+            let (Some(stage), Some(hash)) = (p.machine.stage(), p.machine.params_hash()) else {
+                continue;
+            };
+            let round = p.machine.round();
+            let entry = last.entry(stage).or_insert((round, BTreeSet::new()));
+            if round > entry.0 {
+                *entry = (round, BTreeSet::new());
+            }
+            if round == entry.0 {
+                entry.1.insert(hash);
+            }
+        }
+        let honest_agree = last.values().all(|(_, hashes)| hashes.len() == 1);
+        let attackers = (0..self.peers.len())
+            .filter(|i| self.peers[*i].attacker())
+            .collect();
         Report {
             seed: 0,
             peers: self.peers.len(),
@@ -805,6 +894,9 @@ impl Sim {
             double_commits: self.double_commits,
             resyncs: self.resyncs,
             violations: self.violations,
+            attackers,
+            nonfinite_replicas,
+            honest_agree,
             recoveries: self.recoveries,
             moves: self.moves,
             slowest_stage,

@@ -219,3 +219,38 @@ fn the_command_writes_a_report_and_a_plot() {
     assert!(stderr.contains("unknown device 'rtx9999'"), "{stderr}");
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
 }
+
+/// Two stages of three replicas, one of each stage attacking from the start.
+fn attacked(behavior: &str) -> String {
+    let mut text = String::from(
+        "[run]\npreset = \"nano\"\nstages = 2\nglobal_batch = 48\nmicrobatch = 8\nsteps = 16\n",
+    );
+    for stage in 0..2 {
+        text += &format!(
+            "\n[[peers]]\ncount = 2\ndevice = \"rtx3090\"\nlink = \"metro\"\nstage = {stage}\n\
+             \n[[peers]]\ncount = 1\ndevice = \"rtx3090\"\nlink = \"metro\"\nstage = {stage}\n\
+             behavior = \"{behavior}\"\n"
+        );
+    }
+    text
+}
+
+/// Attackers that change the values they send (well-formed, finite) break no protocol rule:
+/// the run finishes, the honest replicas stay finite and agree, the report names the
+/// attackers. (How much such values hurt the loss is what robust aggregation is for.)
+#[test]
+fn poisoned_contributions_are_simulated_and_reported() {
+    let honest = run(&attacked("honest"), 1);
+    assert!(honest.attackers.is_empty());
+    for behavior in ["sign-flip", "scale:-4", "noise:0.1", "zero"] {
+        let r = run(&attacked(behavior), 1);
+        assert!(r.finished, "{behavior}: {}", r.table());
+        assert_eq!(r.attackers.len(), 2, "{behavior}");
+        assert_eq!(r.nonfinite_replicas, 0, "{behavior}");
+        assert!(r.honest_agree, "{behavior}: {}", r.table());
+        assert_eq!(r.violations, 0, "{behavior}");
+        assert_ne!(r.final_loss, honest.final_loss, "{behavior} changed what was trained");
+    }
+    let bad = Scenario::parse(&attacked("flip")).unwrap_err();
+    assert!(bad.contains("behavior") && bad.contains("sign-flip"), "{bad}");
+}
