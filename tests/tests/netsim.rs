@@ -249,8 +249,14 @@ fn poisoned_contributions_are_simulated_and_reported() {
         assert_eq!(r.nonfinite_replicas, 0, "{behavior}");
         assert!(r.honest_agree, "{behavior}: {}", r.table());
         assert_eq!(r.violations, 0, "{behavior}");
-        assert_ne!(r.final_loss, honest.final_loss, "{behavior} changed what was trained");
+        assert_ne!(
+            r.final_loss, honest.final_loss,
+            "{behavior} changed what was trained"
+        );
     }
     let bad = Scenario::parse(&attacked("flip")).unwrap_err();
-    assert!(bad.contains("behavior") && bad.contains("sign-flip"), "{bad}");
+    assert!(
+        bad.contains("behavior") && bad.contains("sign-flip"),
+        "{bad}"
+    );
 }
