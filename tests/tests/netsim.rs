@@ -145,6 +145,7 @@ fn the_shipped_scenarios_are_valid() {
     assert_eq!(
         names,
         [
+            "attack",
             "churn",
             "churn-nano",
             "demo",
