@@ -222,11 +222,6 @@ impl Round {
         self.group.contains(&peer) || self.joined.contains(&peer) || self.leader == Some(peer)
     }
 
-    /// The leader this follower waited for in vain: it followed one and no group came.
-    pub fn leader_that_never_started(&self) -> Option<PeerKey> {
-        self.leader.filter(|_| self.group.is_empty())
-    }
-
     /// The leader whose start this follower still waits for, if it waits.
     pub fn awaited_leader(&self) -> Option<PeerKey> {
         self.leader.filter(|_| self.phase == Phase::AwaitStart)
@@ -367,8 +362,12 @@ impl Round {
                 self.group = group;
                 self.begin(now);
             }
-            // A start from another replica is dropped unblamed: views of who leads can differ
-            // for a while (a leader passed over, a replica not yet seen).
+            (_, RoundMsg::Start { .. }) if Some(from) != self.leader => {
+                self.violation(
+                    from,
+                    "a round start from a peer that does not lead the round",
+                );
+            }
             (
                 Phase::AwaitStart | Phase::AwaitContribution,
                 msg @ (RoundMsg::Part { .. } | RoundMsg::Averaged { .. }),

@@ -13,7 +13,6 @@ use super::membership::Membership;
 use super::message::{Message, RoundKey, RoundMsg};
 use super::outbox::Outbox;
 use crate::Codec;
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 /// Invitations to a next round kept while the current one finishes, at most.
@@ -32,10 +31,6 @@ pub(super) struct Rounds {
     early_joins: Vec<(RoundKey, PeerKey)>,
     /// The leader of the round this replica follows was seen serving the stage.
     leader_seen: bool,
-    /// Leaders that did not start round `.0` while this replica waited: passed over when it
-    /// is tried again (a leader stuck a round behind, or one that never starts, would
-    /// otherwise stall the stage for good).
-    passed_over: (u64, BTreeSet<PeerKey>),
 }
 
 impl Rounds {
@@ -49,25 +44,7 @@ impl Rounds {
             last: None,
             early_joins: Vec::new(),
             leader_seen: false,
-            passed_over: (0, BTreeSet::new()),
         }
-    }
-
-    /// Whether `peer` was passed over as the leader of round `index`.
-    fn passed(&self, index: u64, peer: PeerKey) -> bool {
-        self.passed_over.0 == index && self.passed_over.1.contains(&peer)
-    }
-
-    /// Who leads round `index` among `candidates` and this replica: the smallest key not
-    /// passed over.
-    fn leader_of(&self, index: u64, candidates: &[PeerKey]) -> PeerKey {
-        candidates
-            .iter()
-            .copied()
-            .filter(|k| !self.passed(index, *k))
-            .chain([self.me])
-            .min()
-            .unwrap_or(self.me)
     }
 
     /// Whether a round is under way (or its result not yet applied).
@@ -89,7 +66,12 @@ impl Rounds {
     /// Starts round `key` with the replicas this one knows of (`others`), led by the smallest
     /// key. A leader takes in the joins that came early.
     pub fn begin(&mut self, key: RoundKey, others: &[PeerKey], len: usize, now: Duration) {
-        let leader = self.leader_of(key.index, others);
+        let leader = others
+            .iter()
+            .copied()
+            .chain([self.me])
+            .min()
+            .unwrap_or(self.me);
         let round = if leader == self.me {
             let mut r = Round::lead(key, self.me, others, len, self.codec, self.timing, now);
             for (k, from) in std::mem::take(&mut self.early_joins) {
@@ -126,7 +108,7 @@ impl Rounds {
         let invite = self
             .early_joins
             .iter()
-            .find(|(k, from)| *k == key && *from < self.me && !self.passed(key.index, *from))
+            .find(|(k, from)| *k == key && *from < self.me)
             .copied();
         let Some((key, from)) = invite else {
             return false;
@@ -185,21 +167,17 @@ impl Rounds {
                 if !others.contains(&from) {
                     others.push(from);
                 }
-                let leader = self.leader_of(key.index, &others);
-                if leader == self.me {
+                let leader = others.iter().copied().chain([self.me]).min();
+                if leader == Some(self.me) {
                     self.begin(key, &others, len, now);
                     if let Some(r) = self.current.as_mut() {
                         r.handle(from, RoundMsg::Join, now);
                     }
-                } else if from < self.me && !self.passed(key.index, from) {
-                    // An invitation from a leader with a smaller key.
+                } else if from < self.me {
                     self.follow(key, from, len, now);
                 }
             }
             RoundMsg::Start { .. } => {
-                if self.passed(key.index, from) {
-                    return;
-                }
                 self.follow(key, from, len, now);
                 if let Some(r) = self.current.as_mut() {
                     // The leader already counted this replica out if it did not join: drop
@@ -209,7 +187,12 @@ impl Rounds {
                 }
             }
             RoundMsg::Part { .. } | RoundMsg::Averaged { .. } => {
-                let leader = self.leader_of(key.index, &replicas);
+                let leader = replicas
+                    .iter()
+                    .copied()
+                    .chain([self.me])
+                    .min()
+                    .unwrap_or(from);
                 self.follow(key, leader, len, now);
                 if let Some(r) = self.current.as_mut() {
                     r.handle(from, msg, now);
@@ -276,18 +259,9 @@ impl Rounds {
         }
     }
 
-    /// The current round failed for this replica. A leader it waited for in vain is passed
-    /// over when the round is tried again.
+    /// The current round failed for this replica.
     pub fn fail(&mut self) {
-        if let Some(r) = self.current.take() {
-            if let Some(leader) = r.leader_that_never_started() {
-                let index = r.key().index;
-                if self.passed_over.0 != index {
-                    self.passed_over = (index, BTreeSet::new());
-                }
-                self.passed_over.1.insert(leader);
-            }
-        }
+        self.current = None;
     }
 
     /// The current round's result is applied: it stays to answer slower members.
@@ -314,54 +288,6 @@ mod tests {
 
     fn key(index: u64) -> RoundKey {
         RoundKey { stage: 1, index }
-    }
-
-    /// A leader that never starts the round (stuck a round behind, or malicious) is passed
-    /// over when the round is tried again, by every replica that waited for it, and its late
-    /// start is not followed; a new round index forgets it.
-    #[test]
-    fn a_leader_that_never_starts_is_passed_over_on_the_retry() {
-        let mut r = rounds(3);
-        let others = [PeerKey(1), PeerKey(2)];
-        r.begin(key(1), &others, 4, Duration::ZERO);
-        assert_eq!(
-            r.current.as_ref().and_then(Round::awaited_leader),
-            Some(PeerKey(1))
-        );
-        let deadline = r.deadline().unwrap();
-        r.handle_timeout(deadline);
-        let failed = std::iter::from_fn(|| r.poll()).any(|(_, o)| matches!(o, RoundOut::Failed(_)));
-        assert!(failed, "no start by the deadline");
-        r.fail();
-        r.begin(key(1), &others, 4, deadline);
-        assert_eq!(
-            r.current.as_ref().and_then(Round::awaited_leader),
-            Some(PeerKey(2))
-        );
-        let mut out = Outbox::new(PeerKey(3));
-        r.fail();
-        r.on_message(
-            &mut out,
-            PeerKey(1),
-            key(1),
-            RoundMsg::Start {
-                group: vec![PeerKey(1), PeerKey(3)],
-            },
-            1,
-            false,
-            others.to_vec(),
-            4,
-            deadline,
-        );
-        assert!(
-            !r.active(),
-            "the passed-over leader's start is not followed"
-        );
-        r.begin(key(2), &others, 4, deadline);
-        assert_eq!(
-            r.current.as_ref().and_then(Round::awaited_leader),
-            Some(PeerKey(1))
-        );
     }
 
     fn rounds(me: u64) -> Rounds {
