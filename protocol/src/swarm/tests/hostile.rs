@@ -5,7 +5,7 @@
 //! the last step with finite, equal replicas, and every violation they report must name it.
 
 use super::*;
-use crate::swarm::fixtures::poisoned;
+use crate::swarm::fixtures::{poisoned, serving};
 use crate::swarm::message::{MemberState, RoundKey, RoundMsg, StateChunk};
 use std::collections::VecDeque;
 
@@ -115,15 +115,9 @@ impl Attacker {
             stage: None,
             state: MemberState::Choosing,
             throughput: 0.0,
-            queue: 0,
-            step: 0,
-            round: 0,
-            params_hash: None,
-            finished: false,
-            loss: None,
-            memory: 0,
             incarnation: 7,
             seq,
+            ..serving(0)
         }
     }
 
