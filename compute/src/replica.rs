@@ -315,6 +315,15 @@ impl<B: Backend> StageReplica<B> {
         Ok(hash_f32s(&self.stage.download_params()?))
     }
 
+    /// Whether every parameter and optimizer value this replica holds is finite.
+    pub fn all_finite(&self) -> Result<bool, StageError> {
+        let params = self.stage.download_params()?;
+        let (m, v) = self.stage.download_optimizer_state()?;
+        Ok([&params, &m, &v, &self.anchor, &self.outer_momentum]
+            .iter()
+            .all(|s| s.iter().all(|x| x.is_finite())))
+    }
+
     /// The whole replica state as bytes, for a joining peer or a checkpoint. Pending and
     /// accumulated gradients are not part of it: they belong to a step in progress.
     ///

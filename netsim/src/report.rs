@@ -64,6 +64,10 @@ pub struct Report {
     pub violations: u64,
     /// Peers that attack at some point (numbered in the order they joined).
     pub attackers: Vec<usize>,
+    /// `[sim_s, peer, reason]`: when an honest peer first banned each peer, and why.
+    pub banned: Vec<(f64, usize, String)>,
+    /// Honest peers that an honest peer banned (must be 0).
+    pub false_bans: usize,
     /// Honest replicas alive at the end that hold a parameter or optimizer value that is not
     /// finite (real compute).
     pub nonfinite_replicas: usize,
@@ -167,6 +171,18 @@ impl Report {
         );
         row(&mut out, "re-syncs", self.resyncs.to_string());
         row(&mut out, "violations", self.violations.to_string());
+        if !self.banned.is_empty() || self.false_bans > 0 {
+            let bans: Vec<String> = self
+                .banned
+                .iter()
+                .map(|b| format!("{} at {:.1} s", b.1, b.0))
+                .collect();
+            row(
+                &mut out,
+                "banned",
+                format!("{} ({} honest)", bans.join(", "), self.false_bans),
+            );
+        }
         if !self.attackers.is_empty() {
             let ids: Vec<String> = self.attackers.iter().map(|i| i.to_string()).collect();
             row(&mut out, "attackers", ids.join(", "));

@@ -122,14 +122,11 @@ impl SimPeer {
         let Worker::Real(w) = &self.worker else {
             return false;
         };
+        // A replica that cannot be read counts as holding nothing wrong.
         w.replica()
-            .and_then(|r| r.export_state().ok())
-            .is_some_and(|state| {
-                state
-                    .chunks_exact(4)
-                    .any(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite())
-            })
+            .is_some_and(|r| r.all_finite().is_ok_and(|finite| !finite))
     }
+
     fn alive(&self) -> bool {
         self.gone_at.is_none()
     }
@@ -248,6 +245,8 @@ pub struct Sim {
     double_commits: u64,
     resyncs: u64,
     violations: u64,
+    /// `[sim_s, peer, reason]`: the first ban of each peer by an honest peer.
+    banned: Vec<(f64, usize, String)>,
     pending: Vec<Pending>,
     recoveries: Vec<Recovery>,
     gone_stats: Vec<(u64, u64)>,
@@ -288,6 +287,7 @@ impl Sim {
             double_commits: 0,
             resyncs: 0,
             violations: 0,
+            banned: Vec::new(),
             pending: Vec::new(),
             recoveries: Vec::new(),
             gone_stats: Vec::new(),
@@ -734,6 +734,14 @@ impl Sim {
             }
             Event::Resync { .. } => self.resyncs += 1,
             Event::Violation { .. } => self.violations += 1,
+            Event::Banned { peer, why, .. } if !self.peers[i].attacker() => {
+                // The first honest peer to ban it; an attacker's bans are its own affair.
+                if let Some(&j) = self.by_key.get(&peer)
+                    && self.banned.iter().all(|b| b.1 != j)
+                {
+                    self.banned.push((self.now_s(), j, why.to_string()));
+                }
+            }
             Event::Moving { from, to } => self.moves.push((self.now_s(), i, from, to)),
             _ => {}
         }
@@ -865,6 +873,11 @@ impl Sim {
         let attackers = (0..self.peers.len())
             .filter(|i| self.peers[*i].attacker())
             .collect();
+        let false_bans = self
+            .banned
+            .iter()
+            .filter(|b| !self.peers[b.1].attacker())
+            .count();
         Report {
             seed: 0,
             peers: self.peers.len(),
@@ -895,6 +908,8 @@ impl Sim {
             resyncs: self.resyncs,
             violations: self.violations,
             attackers,
+            banned: self.banned,
+            false_bans,
             nonfinite_replicas,
             honest_agree,
             recoveries: self.recoveries,

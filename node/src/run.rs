@@ -49,6 +49,8 @@ struct RunReport {
     moves: u64,
     /// Messages dropped as protocol violations (each sender and kind is logged once).
     violations: u64,
+    /// Peers this peer banned: `[peer id, reason]`, in the order banned.
+    banned: Vec<(String, String)>,
     /// Mean loss of the last steps this peer saw as the last stage.
     final_loss: Option<f64>,
     loss_curve: Vec<(u64, f64)>,
@@ -327,6 +329,7 @@ struct Tally {
     finished_at: Option<Instant>,
     /// Protocol violations by sender and kind: logged the first time, counted after.
     violations: BTreeMap<(PeerKey, &'static str), u64>,
+    banned: Vec<(String, String)>,
 }
 
 async fn serve(args: RunArgs) -> anyhow::Result<()> {
@@ -676,6 +679,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             state_transfers: stats.state_transfers,
             moves: stats.moves,
             violations: stats.violations,
+            banned: tally.banned,
             final_loss,
             loss_curve: tally.loss_curve,
             committed_samples: tally.committed,
@@ -709,6 +713,20 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
                 let who = ids.get(&from).map_or(from.to_string(), |p| p.to_string());
                 tracing::warn!("protocol violation by {who}: {what} (dropped; logged once)");
             }
+        }
+        Event::Banned {
+            peer: banned,
+            why,
+            accusers,
+            replicas,
+        } => {
+            let who = ids
+                .get(&banned)
+                .map_or(banned.to_string(), |p| p.to_string());
+            tracing::warn!(
+                "banned {who} for the rest of the run: {why} ({accusers} of its stage's {replicas} replicas accuse it)"
+            );
+            tally.banned.push((who, why.to_string()));
         }
         Event::Serving { stage, step, from } => {
             tally.stage_history.push(stage);

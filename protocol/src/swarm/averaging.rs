@@ -4,8 +4,10 @@
 //! The leader (the smallest key among the replicas a member knows) collects `Join`s for a
 //! short window and announces the group; member i then owns part i of the flattened vector.
 //! Every member sends part j of its contribution (a sum over its samples, with the sample
-//! count) to owner j; each owner divides the sum of what reached it by the samples behind it
-//! and sends the averaged part, encoded once, to everyone. All members, the owner included,
+//! count) to owner j; each owner reduces what reached it to a robust mean per sample (centered
+//! clipping with capped weights, see [`super::robust`]: no member moves a part by more than
+//! the honest members' spread), scores how much each share supported it (the evidence for
+//! [`super::bans`]), and sends the averaged part, encoded once, to everyone. All members, the owner included,
 //! use the decoded bytes, so every replica applies bit-identical values.
 //!
 //! Faults: a member that never sends its part is left out of that part's average (the others
@@ -18,6 +20,7 @@ use super::PeerKey;
 use super::config::Timing;
 use super::message::{RoundKey, RoundMsg};
 use super::norms;
+use super::robust::{self, Share};
 use crate::{Codec, Decoder, Encoder};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
@@ -62,6 +65,9 @@ pub struct RoundResult {
     pub left_out: Vec<PeerKey>,
     /// Parts nobody could deliver (zero everywhere).
     pub zeroed: Vec<u32>,
+    /// Per other member whose share reached this member's part: how much it supported the
+    /// part's robust mean ([`robust::Aggregate::support`]), the evidence bans are built on.
+    pub support: Vec<(PeerKey, f64)>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -106,6 +112,7 @@ pub struct Round {
     /// others' parts and the averaged parts to be near (see [`super::norms`]).
     own_scale: f64,
     loss: Option<f64>,
+    support: Vec<(PeerKey, f64)>,
     missing_answers: BTreeMap<u32, BTreeSet<PeerKey>>,
     started: Duration,
     deadline: Option<Duration>,
@@ -148,6 +155,7 @@ impl Round {
             own_samples: 0.0,
             own_scale: 0.0,
             loss: None,
+            support: Vec::new(),
             missing_answers: BTreeMap::new(),
             started: now,
             deadline: None,
@@ -503,28 +511,36 @@ impl Round {
         }
         self.owned_done = true;
         let r = self.range(me);
-        let mut sum = vec![0.0f64; r.len()];
-        let mut samples = 0.0;
-        let (mut loss_sum, mut loss_samples) = (0.0, 0.0);
-        for (v, s, l) in self.shares.values() {
-            for (a, b) in sum.iter_mut().zip(v) {
-                *a += *b as f64;
-            }
-            samples += s;
-            if let Some(l) = l {
-                loss_sum += l;
-                loss_samples += s;
+        let members: Vec<PeerKey> = self.shares.keys().copied().collect();
+        let shares: Vec<Share> = self
+            .shares
+            .values()
+            .map(|(values, samples, _)| Share {
+                values,
+                samples: *samples,
+            })
+            .collect();
+        let robust = robust::centered_clip(&shares, r.len());
+        // The loss too is a mean over capped weights: a claimed batch buys no more say.
+        let (mut loss_sum, mut loss_weight) = (0.0, 0.0);
+        for ((_, s, l), w) in self.shares.values().zip(&robust.weights) {
+            if let Some(l) = l.filter(|_| *s > 0.0) {
+                loss_sum += w * l / s;
+                loss_weight += w;
             }
         }
-        let loss = (loss_samples > 0.0).then(|| loss_sum / loss_samples);
+        let loss = (loss_weight > 0.0).then(|| loss_sum / loss_weight);
         // This member's own part decides the loss it reports (parts agree unless a share
         // went missing).
         self.loss = loss.or(self.loss);
-        let avg: Vec<f32> = if samples > 0.0 {
-            sum.iter().map(|v| (v / samples) as f32).collect()
-        } else {
-            vec![0.0; r.len()]
-        };
+        self.support = members
+            .into_iter()
+            .zip(robust.support)
+            .filter(|(k, _)| *k != self.me)
+            .filter_map(|(k, s)| Some((k, s?)))
+            .collect();
+        let samples = robust.weight;
+        let avg = robust.mean;
         let mut data = Vec::new();
         if self.group.len() == 1 {
             // Alone: nothing travels, so nothing needs compressing.
@@ -595,6 +611,7 @@ impl Round {
             loss: self.loss,
             left_out,
             zeroed,
+            support: std::mem::take(&mut self.support),
         }));
     }
 
@@ -721,7 +738,7 @@ mod tests {
             })
             .collect();
         let contribution =
-            |i: usize| -> Vec<f32> { (0..len).map(|j| (i * 10 + j) as f32).collect() };
+            |i: usize| -> Vec<f32> { (0..len).map(|j| ((i + 1) * j) as f32).collect() };
         let mut results: Vec<Option<Vec<f32>>> = vec![None; n];
         let mut now = Duration::ZERO;
         let mut averaged_sent = 0;
@@ -846,15 +863,14 @@ mod tests {
 
     #[test]
     fn an_averaging_round_survives_a_member_vanishing_at_each_phase() {
-        // Without faults: the weighted mean of contributions sum_i (10 i + j) over samples.
+        // Member i sums i + 1 samples of value j at coordinate j: the mean per sample is j.
         let full = round_with_vanishing(4, None);
-        let expect: Vec<f32> = (0..37)
-            .map(|j| (0..4).map(|i| (i * 10 + j) as f32).sum::<f32>() / 10.0)
-            .collect();
+        let expect: Vec<f32> = (0..37).map(|j| j as f32).collect();
         for r in &full {
             let r = r.as_ref().unwrap();
             for (a, b) in r.iter().zip(&expect) {
-                assert!((a - b).abs() < 0.1, "{a} vs {b}");
+                // Shares travel as int8: about 1% of the largest value.
+                assert!((a - b).abs() < 0.01 * b.max(10.0), "{a} vs {b}");
             }
         }
         for point in [

@@ -627,6 +627,7 @@ impl StepCoordinator {
                         });
                     }
                     self.stats.rounds += 1;
+                    out.support.extend_from_slice(&result.support);
                     self.round_group = result.group.len();
                     self.round_samples = result.samples;
                     self.round_loss = result.loss;

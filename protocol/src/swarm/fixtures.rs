@@ -24,6 +24,19 @@ pub fn serving(stage: u32) -> Announcement {
         memory: 0,
         incarnation: 1,
         seq: 1,
+        accuses: Vec::new(),
+    }
+}
+
+/// A peer announcing `stage` (serving it; choosing when None).
+pub fn announcement(stage: Option<u32>) -> Announcement {
+    match stage {
+        Some(s) => serving(s),
+        None => Announcement {
+            stage: None,
+            state: MemberState::Choosing,
+            ..serving(0)
+        },
     }
 }
 

@@ -238,6 +238,18 @@ pub enum Event {
         /// What was wrong.
         what: &'static str,
     },
+    /// A majority of `peer`'s stage accused it (see [`super::bans`]): it is dropped for the
+    /// rest of the run.
+    Banned {
+        /// Who.
+        peer: PeerKey,
+        /// What most of its accusers said it did.
+        why: super::message::Misconduct,
+        /// Replicas of its stage that accused it.
+        accusers: usize,
+        /// Replicas of its stage counted, it included.
+        replicas: usize,
+    },
 }
 
 /// What the peer wants done.

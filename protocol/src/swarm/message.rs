@@ -70,6 +70,41 @@ pub struct Announcement {
     /// Counts this incarnation's announcements: each message travels on its own stream, so an
     /// older one can arrive after a newer one and must not undo it.
     pub seq: u64,
+    /// Replicas of its stage it accuses, on its own evidence (see [`super::bans`]); at most
+    /// [`super::bans::MAX_ACCUSATIONS`].
+    pub accuses: Vec<Accusation>,
+}
+
+/// "This replica of my stage misbehaved in our averaging rounds."
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Accusation {
+    /// The accused.
+    pub peer: PeerKey,
+    /// What it did.
+    pub why: Misconduct,
+}
+
+/// What a replica can be accused of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Misconduct {
+    /// Its averaging shares opposed its stage's robust mean, round after round (flipped,
+    /// zeroed or unrelated gradients).
+    OpposedTheStage,
+    /// Its averaging shares were several times its stage's robust mean, round after round.
+    DwarfedTheStage,
+}
+
+impl std::fmt::Display for Misconduct {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Misconduct::OpposedTheStage => {
+                "its averaging shares opposed the stage's robust mean, round after round"
+            }
+            Misconduct::DwarfedTheStage => {
+                "its averaging shares were several times the stage's robust mean, round after round"
+            }
+        })
+    }
 }
 
 /// One microbatch's activations going forward.

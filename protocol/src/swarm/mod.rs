@@ -16,6 +16,9 @@
 //!   at-most-once commit.
 //! * [`averaging`]: one fault-tolerant, compressed reduce-scatter/all-gather round among the
 //!   replicas of a stage.
+//! * [`bans`]: accusations from a stage's own replicas, and bans once a majority accuses.
+//! * [`robust`]: the centered-clipping mean an averaging round's part owner computes, so
+//!   that no replica steers a part by more than the honest replicas' spread.
 //! * [`transfer`]: a stage's state sent to a joiner in hash-checked chunks.
 //!
 //! The [`peer`] is a thin composition of five parts, each a small state machine that owns its
@@ -40,6 +43,7 @@
 
 mod agreement;
 pub mod averaging;
+pub mod bans;
 pub mod config;
 mod coordinator;
 mod driver;
@@ -52,6 +56,7 @@ pub mod norms;
 mod outbox;
 pub mod peer;
 mod progress;
+pub mod robust;
 mod role;
 mod rounds;
 mod scheduler;

@@ -17,6 +17,9 @@ pub(super) struct Outbox {
     pub jobs: Scheduler,
     /// Protocol violations reported so far.
     pub violations: u64,
+    /// How much each member's shares supported the rounds this peer reduced a part of, not
+    /// yet judged (see [`super::bans`]).
+    pub support: Vec<(PeerKey, f64)>,
 }
 
 impl Outbox {
@@ -27,6 +30,7 @@ impl Outbox {
             actions: VecDeque::new(),
             jobs: Scheduler::default(),
             violations: 0,
+            support: Vec::new(),
         }
     }
 

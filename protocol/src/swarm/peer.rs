@@ -11,6 +11,7 @@
 //! from (one generator, so that a seed fixes every choice). The microbatch path is in `peer/microbatch.rs`.
 
 use super::agreement::Resync;
+use super::bans::{self, Ban, Bans};
 use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
 use super::coordinator::{Settings, StepCoordinator};
 use super::driver::Driver;
@@ -51,6 +52,7 @@ pub struct Peer {
     server: StageServer,
     steps: StepCoordinator,
     exports: StateExports,
+    bans: Bans,
     finish_reported: bool,
     out: Outbox,
 }
@@ -87,6 +89,7 @@ impl Peer {
             server: StageServer::default(),
             steps: StepCoordinator::new(settings, config.codecs.averaging, now),
             exports: StateExports::new(timing.transfer_timeout),
+            bans: Bans::default(),
             finish_reported: false,
             out: Outbox::new(me),
             config,
@@ -259,6 +262,7 @@ impl Peer {
             memory: self.memory,
             incarnation: self.incarnation,
             seq: self.announcements,
+            accuses: self.bans.accusations(),
         }
     }
 
@@ -301,6 +305,12 @@ impl Peer {
         let stage = self.role.serving();
         self.steps
             .drain_round(&mut self.out, stage, &self.members, now);
+        if !self.out.support.is_empty() {
+            let support = std::mem::take(&mut self.out.support);
+            for peer in self.bans.observe(&support) {
+                self.judge(peer, now);
+            }
+        }
         self.pump(now);
         if let Some(job) = self.out.jobs.next(now) {
             self.out.push(Action::Compute(job));
@@ -311,7 +321,7 @@ impl Peer {
 
     /// A message from another peer of the run (the owner checked the run id).
     pub fn handle_message(&mut self, from: PeerKey, msg: Message, now: Duration) {
-        if from == self.me {
+        if from == self.me || self.bans.is_banned(from) {
             return;
         }
         self.members.touch(from, now);
@@ -398,7 +408,7 @@ impl Peer {
     /// that `origin` exists: a relay can introduce at most
     /// [`super::membership::MAX_RELAYED_PER_PEER`] peers that never contact this one directly.
     pub fn handle_gossip(&mut self, origin: PeerKey, via: PeerKey, msg: Message, now: Duration) {
-        if origin == self.me {
+        if origin == self.me || self.bans.is_banned(origin) || self.bans.is_banned(via) {
             return;
         }
         match msg {
@@ -427,6 +437,7 @@ impl Peer {
 
     fn peer_gone(&mut self, peer: PeerKey, now: Duration) {
         self.members.remove(peer);
+        self.bans.forget(peer);
         self.steps.forget(peer);
         self.driver.fail_hop(peer, now);
         self.server.reject_routed_through(&mut self.out, peer);
@@ -549,6 +560,26 @@ impl Peer {
 
     // ----- role: choosing, syncing, moving -----
 
+    /// Bans `peer` if its stage's majority now accuses it (see [`bans`]).
+    fn judge(&mut self, peer: PeerKey, now: Duration) {
+        let mine = self.role.serving();
+        if let Some(Ban {
+            peer,
+            why,
+            accusers,
+            replicas,
+        }) = self.bans.judge(peer, &self.members, self.me, mine)
+        {
+            self.out.event(Event::Banned {
+                peer,
+                why,
+                accusers,
+                replicas,
+            });
+            self.peer_gone(peer, now);
+        }
+    }
+
     fn on_announce(&mut self, from: PeerKey, via: Option<PeerKey>, a: Announcement, now: Duration) {
         // No honest peer counts steps or rounds past the run's last step, or measures a
         // throughput that is not a number; such values would only feed arithmetic and
@@ -558,7 +589,8 @@ impl Peer {
             && a.round <= self.config.max_steps
             && a.throughput.is_finite()
             && a.throughput >= 0.0
-            && a.loss.is_none_or(f32::is_finite);
+            && a.loss.is_none_or(f32::is_finite)
+            && a.accuses.len() <= bans::MAX_ACCUSATIONS;
         if !in_range {
             self.out
                 .violation(from, "an announcement with values out of the run's range");
@@ -574,6 +606,15 @@ impl Peer {
         };
         if !admitted && self.members.get(from).is_none() {
             // No room for it (see `Membership`): nothing of it is known.
+            return;
+        }
+        // Its stage may have accused it before this peer knew its stage; what it accuses may
+        // now have its majority.
+        self.judge(from, now);
+        for accused in a.accuses.iter().map(|x| x.peer) {
+            self.judge(accused, now);
+        }
+        if self.bans.is_banned(from) {
             return;
         }
         let Some(stage) = self.role.serving() else {

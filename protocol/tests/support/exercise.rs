@@ -5,7 +5,9 @@
 //! deterministic run in the test suite.
 
 use shoal_protocol::codec::{TENSOR_HEADER_LEN, encode_to_vec};
-use shoal_protocol::swarm::message::{Backward, Forward, RoundKey, RoundMsg, StateChunk};
+use shoal_protocol::swarm::message::{
+    Accusation, Backward, Forward, Misconduct, RoundKey, RoundMsg, StateChunk,
+};
 use shoal_protocol::swarm::{
     Action, Announcement, ComputeDone, DataSource, Job, MemberState, Message, Output, Peer,
     PeerKey, RunConfig, StageCosts, SyncMode, Timing,
@@ -104,6 +106,7 @@ fn announcement(stage: Option<u32>, state: MemberState, round: u64, seq: u64) ->
         memory: 0,
         incarnation: 1,
         seq,
+        accuses: Vec::new(),
     }
 }
 
@@ -238,6 +241,14 @@ impl Exercise {
                 params_hash: Some(b.u64()),
                 finished: b.u8().is_multiple_of(8),
                 memory: b.u64(),
+                // Up to 20 accusations of small keys (the peer itself among them): more
+                // than an announcement may carry, and enough to reach a stage's majority.
+                accuses: (0..(b.u8() % 21))
+                    .map(|_| Accusation {
+                        peer: PeerKey(b.u8() as u64 % 8),
+                        why: Misconduct::OpposedTheStage,
+                    })
+                    .collect(),
                 ..announcement(
                     Some(stage),
                     [

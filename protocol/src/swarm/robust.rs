@@ -1,0 +1,272 @@
+//! Robust aggregation of one averaged part: a centered clipping over the members' per-sample
+//! means, so that no contributor moves the result by more than its weight times the honest
+//! members' own spread, whatever it sends.
+//!
+//! Each member's share is a sum over its samples with a claimed sample count. The owner turns
+//! it into a per-sample mean g_i and a weight w_i = min(claimed samples, the median claim):
+//! a peer that claims a huge batch weighs no more than a typical member. Starting from the
+//! coordinate-wise median, the centre moves by the weighted mean of the members' offsets, each
+//! offset clipped to the radius tau (Karimireddy et al., "Learning from History for Byzantine
+//! Robust Optimization"; BTARD runs the same rule per part). tau is the median distance of the
+//! members from the coordinate-wise median: with fewer than half the members malicious, it is
+//! the honest members' spread, so an honest member is at most slightly clipped while a flipped,
+//! scaled or noisy share counts at most tau.
+//!
+//! The same pass measures how much each share supports the result: its component along the
+//! result's direction, relative to the median member's. Honest shares scatter around 1 whatever
+//! their sample counts (the noise of a per-sample mean cancels in one direction); a flipped
+//! share sits near -1, a zeroed one at 0, a scaled one at its factor. Clipping bounds what one
+//! round of lies can do; this score is the evidence that ends them ([`super::bans`]).
+
+/// A member's share of one part, as received: a sum over `samples`.
+#[derive(Clone, Copy, Debug)]
+pub struct Share<'a> {
+    /// The sum of its samples' values.
+    pub values: &'a [f32],
+    /// The samples it claims are behind the sum.
+    pub samples: f64,
+}
+
+/// The robust mean of some shares.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Aggregate {
+    /// The per-sample mean.
+    pub mean: Vec<f32>,
+    /// The weight behind it (the sum of the capped sample counts).
+    pub weight: f64,
+    /// Per share, in the order given: its weight.
+    pub weights: Vec<f64>,
+    /// Per share: the component of its mean along the result, relative to the median present
+    /// member's (None for an absent share, or when fewer than three members are present or the
+    /// result is zero: then there is no majority to be relative to).
+    pub support: Vec<Option<f64>>,
+}
+
+/// Clipping iterations: three take the centre from the median close to its fixed point.
+const ITERATIONS: usize = 3;
+
+/// A weight is at most this many times the median claimed sample count.
+pub const WEIGHT_CAP: f64 = 1.0;
+
+/// The centered-clipping mean of `shares`; shares with no samples or no values count as absent.
+pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
+    let present: Vec<usize> = (0..shares.len())
+        .filter(|&i| shares[i].samples > 0.0 && shares[i].values.len() == len)
+        .collect();
+    let mut weights = vec![0.0; shares.len()];
+    let mut support = vec![None; shares.len()];
+    if present.is_empty() {
+        return Aggregate {
+            mean: vec![0.0; len],
+            weight: 0.0,
+            weights,
+            support,
+        };
+    }
+    let cap = WEIGHT_CAP * median(present.iter().map(|&i| shares[i].samples).collect());
+    for &i in &present {
+        weights[i] = shares[i].samples.min(cap);
+    }
+    let means: Vec<Vec<f64>> = present
+        .iter()
+        .map(|&i| {
+            let s = shares[i].samples;
+            shares[i].values.iter().map(|&v| v as f64 / s).collect()
+        })
+        .collect();
+    let w: Vec<f64> = present.iter().map(|&i| weights[i]).collect();
+    let total: f64 = w.iter().sum();
+
+    let mut centre: Vec<f64> = (0..len)
+        .map(|c| median(means.iter().map(|m| m[c]).collect()))
+        .collect();
+    let tau = median(means.iter().map(|m| distance(m, &centre)).collect());
+    if tau > 0.0 {
+        let mut step = vec![0.0; len];
+        for _ in 0..ITERATIONS {
+            step.iter_mut().for_each(|s| *s = 0.0);
+            for (m, wi) in means.iter().zip(&w) {
+                let d = distance(m, &centre);
+                let k = wi * (tau / d).min(1.0) / total;
+                for ((s, a), b) in step.iter_mut().zip(m).zip(&centre) {
+                    *s += k * (a - b);
+                }
+            }
+            centre.iter_mut().zip(&step).for_each(|(c, s)| *c += s);
+        }
+    }
+    let along: Vec<f64> = means
+        .iter()
+        .map(|m| m.iter().zip(&centre).map(|(a, b)| a * b).sum())
+        .collect();
+    let typical = median(along.clone());
+    if present.len() >= 3 && typical > 0.0 {
+        for (j, &i) in present.iter().enumerate() {
+            support[i] = Some(along[j] / typical);
+        }
+    }
+    Aggregate {
+        mean: centre.iter().map(|&v| v as f32).collect(),
+        weight: total,
+        weights,
+        support,
+    }
+}
+
+fn distance(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y) * (x - y))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// The median (the mean of the middle two for an even count); 0 for none.
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::swarm::SeededRng;
+
+    fn gaussian(rng: &mut SeededRng) -> f64 {
+        let u1 = ((rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+        let u2 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+
+    /// `honest` members' sums over `samples` each of a true mean of 1.0 per coordinate plus
+    /// unit noise per sample.
+    fn honest_sums(
+        rng: &mut SeededRng,
+        honest: usize,
+        samples: usize,
+        len: usize,
+    ) -> Vec<Vec<f32>> {
+        (0..honest)
+            .map(|_| {
+                (0..len)
+                    .map(|_| (0..samples).map(|_| 1.0 + gaussian(rng)).sum::<f64>() as f32)
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn shares(sums: &[Vec<f32>], samples: &[f64]) -> Aggregate {
+        let len = sums[0].len();
+        let s: Vec<Share> = sums
+            .iter()
+            .zip(samples)
+            .map(|(v, &samples)| Share { values: v, samples })
+            .collect();
+        centered_clip(&s, len)
+    }
+
+    fn error(mean: &[f32]) -> f64 {
+        let len = mean.len() as f64;
+        (mean.iter().map(|v| (*v as f64 - 1.0).powi(2)).sum::<f64>() / len).sqrt()
+    }
+
+    #[test]
+    fn identical_shares_average_to_themselves() {
+        let a = shares(&[vec![2.0, 4.0], vec![2.0, 4.0], vec![2.0, 4.0]], &[2.0; 3]);
+        assert_eq!(a.mean, vec![1.0, 2.0]);
+        assert_eq!(a.weight, 6.0);
+        assert_eq!(a.support, vec![Some(1.0); 3]);
+    }
+
+    #[test]
+    fn honest_shares_average_close_to_the_plain_mean() {
+        let mut rng = SeededRng::new(1);
+        let sums = honest_sums(&mut rng, 6, 16, 400);
+        let robust = shares(&sums, &[16.0; 6]);
+        let plain: Vec<f32> = (0..400)
+            .map(|c| sums.iter().map(|s| s[c]).sum::<f32>() / 96.0)
+            .collect();
+        // Both estimate the true mean about equally well.
+        assert!(
+            error(&robust.mean) < 1.1 * error(&plain),
+            "{} vs {}",
+            error(&robust.mean),
+            error(&plain)
+        );
+        // Every honest share supports the result about as much as the median one.
+        for s in &robust.support {
+            assert!(
+                s.is_some_and(|s| (0.8..1.2).contains(&s)),
+                "{:?}",
+                robust.support
+            );
+        }
+    }
+
+    #[test]
+    fn a_minority_of_attackers_moves_the_mean_at_most_by_the_honest_spread() {
+        for attack in ["flip", "scale", "huge-claim", "noise"] {
+            let mut rng = SeededRng::new(7);
+            let mut sums = honest_sums(&mut rng, 7, 16, 400);
+            let mut samples = vec![16.0; 7];
+            let honest_error = error(&shares(&sums, &samples).mean);
+            for a in 0..5 {
+                let mut v = honest_sums(&mut rng, 1, 16, 400).remove(0);
+                let mut claim = 16.0;
+                match attack {
+                    "flip" => v.iter_mut().for_each(|x| *x = -*x),
+                    "scale" => v.iter_mut().for_each(|x| *x *= -1000.0),
+                    "huge-claim" => {
+                        v.iter_mut().for_each(|x| *x *= -1e6);
+                        claim = 1e6 * 16.0;
+                    }
+                    _ => v
+                        .iter_mut()
+                        .for_each(|x| *x += 100.0 * gaussian(&mut rng) as f32),
+                }
+                let _ = a;
+                sums.push(v);
+                samples.push(claim);
+            }
+            let robust = shares(&sums, &samples);
+            let e = error(&robust.mean);
+            // 5 of 12 malicious: the error stays of the order of the per-sample noise of one
+            // honest member (1/sqrt(16) = 0.25 per coordinate), nowhere near the attack's.
+            assert!(e < 0.5, "{attack}: error {e} (honest alone {honest_error})");
+            // The weight of a huge claim is capped.
+            assert!(robust.weights.iter().all(|w| *w <= 16.0), "{attack}");
+            // The evidence: honest shares support the result, flipped and scaled ones oppose
+            // it, noise does not follow it.
+            let support: Vec<f64> = robust.support.iter().map(|s| s.unwrap()).collect();
+            assert!(
+                support[..7].iter().all(|s| (0.8..1.2).contains(s)),
+                "{attack}: {support:?}"
+            );
+            if attack != "noise" {
+                assert!(
+                    support[7..].iter().all(|s| *s < 0.0),
+                    "{attack}: {support:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn absent_shares_count_for_nothing() {
+        let a = shares(&[vec![2.0], vec![], vec![6.0]], &[2.0, 0.0, 2.0]);
+        assert_eq!(a.weights, vec![2.0, 0.0, 2.0]);
+        assert_eq!(a.mean, vec![2.0]);
+        // Two present members: no majority to judge either by.
+        assert_eq!(a.support, vec![None; 3]);
+        let none = centered_clip(&[], 3);
+        assert_eq!(none.mean, vec![0.0; 3]);
+    }
+}
