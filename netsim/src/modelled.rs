@@ -29,6 +29,8 @@ pub struct ModelledStage {
     /// Random values that tensors are cut from (filling every tensor value by value would
     /// cost more than the codecs it is made for).
     noise: Vec<f32>,
+    /// The run's gradient signal, the same table on every peer (see [`ModelledStage::gradient`]).
+    signal: Vec<f32>,
     /// The replica served, if any.
     replica: Option<Replica>,
 }
@@ -52,6 +54,13 @@ struct Replica {
 /// rows of a tensor.
 const NOISE_LEN: usize = 65_521;
 
+/// Mixed into the run's seed for its signal table.
+const SIGNAL_SALT: u64 = 0x5349_474e_414c_5f5f;
+
+/// The common signal's size against one sample's noise: a gradient of a few samples is mostly
+/// noise, as a real one is.
+const SIGNAL: f32 = 0.5;
+
 /// Magic of a modelled state (its bytes after this and the two hashes are filler).
 const STATE_MAGIC: &[u8; 8] = b"SHOALSIM";
 
@@ -62,12 +71,15 @@ impl ModelledStage {
         let mut rng = SeededRng::new(seed);
         let mut noise = vec![0.0; NOISE_LEN];
         fill_random(&mut noise, &mut rng);
+        let mut signal = vec![0.0; NOISE_LEN];
+        fill_random(&mut signal, &mut SeededRng::new(config.seed ^ SIGNAL_SALT));
         Ok(ModelledStage {
             corpus: Corpus::synthetic(config.seed),
             config,
             model,
             rng,
             noise,
+            signal,
             replica: None,
         })
     }
@@ -102,6 +114,22 @@ impl ModelledStage {
     /// Values of one microbatch's activations (or their gradient) at a stage boundary.
     fn boundary_values(&self, rows: u32) -> usize {
         rows as usize * self.config.seq as usize * self.model.width
+    }
+
+    /// A gradient summed over `samples` samples at parameters hashing to `hash`, shaped as a
+    /// real one is for what the protocol does with it (robust averaging, the evidence for
+    /// bans): every sample shares the signal of the parameters (a window of the run's signal
+    /// table that the hash picks, so replicas at the same parameters share it) and adds noise
+    /// of its own, so the sum grows as `samples` x signal + sqrt(`samples`) x noise.
+    fn gradient(&mut self, n: usize, hash: u64, samples: f64) -> Vec<f32> {
+        let noise = self.random(n);
+        let at = (hash % NOISE_LEN as u64) as usize;
+        let (signal, spread) = (samples as f32 * SIGNAL, samples.sqrt() as f32);
+        noise
+            .iter()
+            .enumerate()
+            .map(|(i, e)| signal * self.signal[(at + i) % NOISE_LEN] + spread * e)
+            .collect()
     }
 
     /// `n` random values: the noise, from a random place on, round and round.
@@ -227,21 +255,26 @@ impl ModelledStage {
                 ComputeDone::Done
             }
             Job::TakeGradient => {
-                let (params, samples) = {
+                let (params, samples, hash) = {
                     let r = self.serving()?;
-                    (r.params, std::mem::take(&mut r.samples))
+                    (r.params, std::mem::take(&mut r.samples), r.hash)
                 };
                 let values = if samples > 0.0 {
-                    self.random(params)
+                    self.gradient(params, hash, samples)
                 } else {
                     vec![0.0; params]
                 };
                 ComputeDone::Gradient { values, samples }
             }
             Job::TakePseudoGradient => {
-                let params = self.serving()?.params;
+                // The replica's move since the outer round's anchor: mostly the signal of the
+                // parameters it started from.
+                let (params, anchor) = {
+                    let r = self.serving()?;
+                    (r.params, r.anchor)
+                };
                 ComputeDone::Gradient {
-                    values: self.random(params),
+                    values: self.gradient(params, anchor, 4.0),
                     samples: 0.0,
                 }
             }

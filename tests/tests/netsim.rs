@@ -146,6 +146,7 @@ fn the_shipped_scenarios_are_valid() {
         names,
         [
             "attack",
+            "attack-16",
             "churn",
             "churn-nano",
             "demo",

@@ -20,7 +20,7 @@ use super::PeerKey;
 use super::config::Timing;
 use super::message::{RoundKey, RoundMsg};
 use super::norms;
-use super::robust::{self, Share};
+use super::robust::{self, Share, Support};
 use crate::{Codec, Decoder, Encoder};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
@@ -67,7 +67,7 @@ pub struct RoundResult {
     pub zeroed: Vec<u32>,
     /// Per other member whose share reached this member's part: how much it supported the
     /// part's robust mean ([`robust::Aggregate::support`]), the evidence bans are built on.
-    pub support: Vec<(PeerKey, f64)>,
+    pub support: Vec<(PeerKey, Support)>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -112,7 +112,7 @@ pub struct Round {
     /// others' parts and the averaged parts to be near (see [`super::norms`]).
     own_scale: f64,
     loss: Option<f64>,
-    support: Vec<(PeerKey, f64)>,
+    support: Vec<(PeerKey, Support)>,
     missing_answers: BTreeMap<u32, BTreeSet<PeerKey>>,
     started: Duration,
     deadline: Option<Duration>,

@@ -3,11 +3,13 @@
 //! majority of the stage accuses it.
 //!
 //! Evidence is first-hand. Each part owner scores every share it reduced by how much it
-//! supported the part's robust mean ([`super::robust::Aggregate::support`]: honest shares
-//! scatter around 1). A replica keeps the last [`WINDOW`] scores it saw of each member; when
-//! their mean falls below [`SUPPORT_LOW`] (flipped or zeroed shares) or rises above
-//! [`SUPPORT_HIGH`] (scaled ones), it accuses the member in its announcements, and withdraws
-//! the accusation if the mean comes back (one unlucky stretch of noise costs nothing). Every
+//! supported the part's robust mean ([`super::robust::Support`]: a ratio, about 1 for honest
+//! shares, and a robust z-score against the other members). A replica keeps the last
+//! [`WINDOW`] scores it saw of each member; when their mean ratio falls below [`SUPPORT_LOW`]
+//! with a mean deviation below -[`DEVIATION`] (flipped or zeroed shares), or rises above
+//! [`SUPPORT_HIGH`] with a deviation above [`DEVIATION`] (scaled ones), it accuses the member in
+//! its announcements, and withdraws the accusation if the window recovers (one unlucky stretch
+//! of noise costs nothing). Every
 //! member sends a share to every owner, so every replica of the stage holds its own evidence.
 //!
 //! A peer bans a member when more than half of the member's stage (the member counted)
@@ -20,6 +22,7 @@
 use super::PeerKey;
 use super::membership::Membership;
 use super::message::{Accusation, Misconduct};
+use super::robust::Support;
 use std::collections::{BTreeMap, VecDeque};
 
 /// Rounds of scores a replica judges a member by.
@@ -31,6 +34,10 @@ pub const SUPPORT_LOW: f64 = 0.4;
 
 /// Above this mean support a member's shares dwarf the stage's (honest: below ~2.1).
 pub const SUPPORT_HIGH: f64 = 3.0;
+
+/// ...and only when the window's mean deviation is at least this many robust standard
+/// deviations from the median member (for honest members it averages 0 over the window).
+pub const DEVIATION: f64 = 2.0;
 
 /// Accusations one announcement may carry.
 pub const MAX_ACCUSATIONS: usize = 16;
@@ -55,7 +62,7 @@ pub struct Ban {
 #[derive(Debug, Default)]
 pub struct Bans {
     /// The last [`WINDOW`] support scores this peer saw of each member of its stage.
-    seen: BTreeMap<PeerKey, VecDeque<f64>>,
+    seen: BTreeMap<PeerKey, VecDeque<Support>>,
     /// Whom this peer accuses (announced with every announcement).
     accusing: BTreeMap<PeerKey, Misconduct>,
     /// Banned peers, in the order banned.
@@ -78,10 +85,10 @@ impl Bans {
 
     /// Scores a round this peer owned a part of gave members of its stage. Returns the members
     /// whose accusation changed (to check for a ban).
-    pub fn observe(&mut self, support: &[(PeerKey, f64)]) -> Vec<PeerKey> {
+    pub fn observe(&mut self, support: &[(PeerKey, Support)]) -> Vec<PeerKey> {
         let mut changed = Vec::new();
         for &(peer, s) in support {
-            if self.is_banned(peer) || !s.is_finite() {
+            if self.is_banned(peer) || !(s.ratio.is_finite() && s.deviation.is_finite()) {
                 continue;
             }
             let seen = self.seen.entry(peer).or_default();
@@ -92,10 +99,11 @@ impl Bans {
             if seen.len() < WINDOW {
                 continue;
             }
-            let mean = seen.iter().sum::<f64>() / WINDOW as f64;
-            let verdict = if mean < SUPPORT_LOW {
+            let ratio = seen.iter().map(|s| s.ratio).sum::<f64>() / WINDOW as f64;
+            let deviation = seen.iter().map(|s| s.deviation).sum::<f64>() / WINDOW as f64;
+            let verdict = if ratio < SUPPORT_LOW && deviation < -DEVIATION {
                 Some(Misconduct::OpposedTheStage)
-            } else if mean > SUPPORT_HIGH {
+            } else if ratio > SUPPORT_HIGH && deviation > DEVIATION {
                 Some(Misconduct::DwarfedTheStage)
             } else {
                 None
@@ -204,6 +212,15 @@ mod tests {
     use super::*;
     use crate::swarm::fixtures::announcement;
 
+    /// A score of `ratio`, as far from the others as a ratio that far from 1 would be when
+    /// honest ratios spread by 0.2.
+    fn s(ratio: f64) -> Support {
+        Support {
+            ratio,
+            deviation: ((ratio - 1.0) / 0.2).clamp(-8.0, 8.0),
+        }
+    }
+
     fn stage_of(n: u64) -> Membership {
         let mut m = Membership::default();
         for k in 1..=n {
@@ -227,7 +244,7 @@ mod tests {
         let mut b = Bans::default();
         let bad = PeerKey(9);
         for round in 0..WINDOW {
-            let changed = b.observe(&[(bad, -1.0), (PeerKey(2), 1.0)]);
+            let changed = b.observe(&[(bad, s(-1.0)), (PeerKey(2), s(1.0))]);
             assert_eq!(changed.is_empty(), round + 1 < WINDOW, "round {round}");
         }
         assert_eq!(
@@ -239,18 +256,30 @@ mod tests {
         );
         // One bad round among good ones is noise.
         let mut c = Bans::default();
-        for s in [1.0, -1.0, 1.2, 0.9, 1.0, 0.8] {
-            c.observe(&[(bad, s)]);
+        for r in [1.0, -1.0, 1.2, 0.9, 1.0, 0.8] {
+            c.observe(&[(bad, s(r))]);
         }
         assert!(c.accusations().is_empty());
+        // Low ratios within the members' own spread (no common signal) are no evidence.
+        let mut d = Bans::default();
+        for _ in 0..2 * WINDOW {
+            d.observe(&[(
+                bad,
+                Support {
+                    ratio: -3.0,
+                    deviation: -1.0,
+                },
+            )]);
+        }
+        assert!(d.accusations().is_empty());
         // Recovering withdraws the accusation.
         for _ in 0..WINDOW {
-            b.observe(&[(bad, 1.0)]);
+            b.observe(&[(bad, s(1.0))]);
         }
         assert!(b.accusations().is_empty());
         // Scaled shares are accused too.
         for _ in 0..WINDOW {
-            b.observe(&[(bad, 10.0)]);
+            b.observe(&[(bad, s(10.0))]);
         }
         assert_eq!(b.accusations()[0].why, Misconduct::DwarfedTheStage);
     }
@@ -263,7 +292,7 @@ mod tests {
         m.remove(me);
         let mut b = Bans::default();
         for _ in 0..WINDOW {
-            b.observe(&[(PeerKey(6), -1.0)]);
+            b.observe(&[(PeerKey(6), s(-1.0))]);
         }
         accuse(&mut m, 2, 6);
         assert_eq!(b.judge(PeerKey(6), &m, me, Some(0)), None, "2 of 6");
@@ -301,11 +330,39 @@ mod tests {
         assert_eq!(b.judge(PeerKey(20), &m, PeerKey(99), None), None);
     }
 
+    /// Shares with no common signal (pure noise, as late in training or in a modelled run):
+    /// their ratios scatter widely, but no member stands out from the others for long.
+    #[test]
+    fn members_without_a_common_signal_are_never_accused() {
+        use crate::swarm::SeededRng;
+        use crate::swarm::robust::{Share, centered_clip, tests::gaussian};
+        let mut rng = SeededRng::new(3);
+        let mut b = Bans::default();
+        for _ in 0..2_000 {
+            let sums: Vec<Vec<f32>> = (0..6)
+                .map(|_| (0..200).map(|_| gaussian(&mut rng) as f32).collect())
+                .collect();
+            let shares: Vec<Share> = sums
+                .iter()
+                .map(|v| Share {
+                    values: v,
+                    samples: 1.0,
+                })
+                .collect();
+            let robust = centered_clip(&shares, 200);
+            let scores: Vec<(PeerKey, Support)> = (0..6)
+                .filter_map(|k| Some((PeerKey(k), robust.support[k as usize]?)))
+                .collect();
+            b.observe(&scores);
+            assert!(b.accusations().is_empty(), "{scores:?}");
+        }
+    }
+
     #[test]
     fn accusations_are_bounded() {
         let mut b = Bans::default();
         for _ in 0..WINDOW {
-            let all: Vec<(PeerKey, f64)> = (0..100).map(|k| (PeerKey(k), -1.0)).collect();
+            let all: Vec<(PeerKey, Support)> = (0..100).map(|k| (PeerKey(k), s(-1.0))).collect();
             b.observe(&all);
         }
         assert_eq!(b.accusations().len(), MAX_ACCUSATIONS);

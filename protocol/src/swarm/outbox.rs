@@ -19,7 +19,7 @@ pub(super) struct Outbox {
     pub violations: u64,
     /// How much each member's shares supported the rounds this peer reduced a part of, not
     /// yet judged (see [`super::bans`]).
-    pub support: Vec<(PeerKey, f64)>,
+    pub support: Vec<(PeerKey, super::robust::Support)>,
 }
 
 impl Outbox {

@@ -13,10 +13,14 @@
 //! scaled or noisy share counts at most tau.
 //!
 //! The same pass measures how much each share supports the result: its component along the
-//! result's direction, relative to the median member's. Honest shares scatter around 1 whatever
-//! their sample counts (the noise of a per-sample mean cancels in one direction); a flipped
-//! share sits near -1, a zeroed one at 0, a scaled one at its factor. Clipping bounds what one
-//! round of lies can do; this score is the evidence that ends them ([`super::bans`]).
+//! result's direction, relative to the median member's (the `ratio`: honest shares scatter
+//! around 1 whatever their sample counts, as the noise of a per-sample mean mostly cancels in
+//! one direction; a flipped share sits near -1, a zeroed one at 0, a scaled one at its factor),
+//! and how far that component is from the median member's in units of the members' own spread
+//! (the `deviation`, a robust z-score). A share is suspect only when both say so: the ratio
+//! alone misleads when the gradients carry little common signal (late in training, tiny
+//! batches) and the deviation alone when the members agree very closely. Clipping bounds what
+//! one round of lies can do; this is the evidence that ends them ([`super::bans`]).
 
 /// A member's share of one part, as received: a sum over `samples`.
 #[derive(Clone, Copy, Debug)]
@@ -36,11 +40,24 @@ pub struct Aggregate {
     pub weight: f64,
     /// Per share, in the order given: its weight.
     pub weights: Vec<f64>,
-    /// Per share: the component of its mean along the result, relative to the median present
-    /// member's (None for an absent share, or when fewer than three members are present or the
-    /// result is zero: then there is no majority to be relative to).
-    pub support: Vec<Option<f64>>,
+    /// Per share: how much it supported the result (None for an absent share, or when fewer
+    /// than three members are present or the median member's component along the result is
+    /// not positive: then there is no majority to be relative to).
+    pub support: Vec<Option<Support>>,
 }
+
+/// How much one share supported a part's robust mean.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Support {
+    /// Its component along the result over the median member's (honest: about 1).
+    pub ratio: f64,
+    /// Its component's distance from the median member's in robust standard deviations
+    /// (1.4826 x the median absolute deviation), within +-[`MAX_DEVIATION`].
+    pub deviation: f64,
+}
+
+/// A deviation counts at most this much, so that one round cannot outweigh a window.
+pub const MAX_DEVIATION: f64 = 8.0;
 
 /// Clipping iterations: three take the centre from the median close to its fixed point.
 const ITERATIONS: usize = 3;
@@ -101,8 +118,20 @@ pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
         .collect();
     let typical = median(along.clone());
     if present.len() >= 3 && typical > 0.0 {
+        let spread = 1.4826 * median(along.iter().map(|a| (a - typical).abs()).collect());
         for (j, &i) in present.iter().enumerate() {
-            support[i] = Some(along[j] / typical);
+            let off = along[j] - typical;
+            let deviation = if spread > 0.0 {
+                off / spread
+            } else if off == 0.0 {
+                0.0
+            } else {
+                off.signum() * MAX_DEVIATION
+            };
+            support[i] = Some(Support {
+                ratio: along[j] / typical,
+                deviation: deviation.clamp(-MAX_DEVIATION, MAX_DEVIATION),
+            });
         }
     }
     Aggregate {
@@ -136,11 +165,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::swarm::SeededRng;
 
-    fn gaussian(rng: &mut SeededRng) -> f64 {
+    pub(crate) fn gaussian(rng: &mut SeededRng) -> f64 {
         let u1 = ((rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
         let u2 = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
         (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
@@ -183,7 +212,11 @@ mod tests {
         let a = shares(&[vec![2.0, 4.0], vec![2.0, 4.0], vec![2.0, 4.0]], &[2.0; 3]);
         assert_eq!(a.mean, vec![1.0, 2.0]);
         assert_eq!(a.weight, 6.0);
-        assert_eq!(a.support, vec![Some(1.0); 3]);
+        let same = Support {
+            ratio: 1.0,
+            deviation: 0.0,
+        };
+        assert_eq!(a.support, vec![Some(same); 3]);
     }
 
     #[test]
@@ -204,7 +237,7 @@ mod tests {
         // Every honest share supports the result about as much as the median one.
         for s in &robust.support {
             assert!(
-                s.is_some_and(|s| (0.8..1.2).contains(&s)),
+                s.is_some_and(|s| (0.8..1.2).contains(&s.ratio)),
                 "{:?}",
                 robust.support
             );
@@ -218,7 +251,7 @@ mod tests {
             let mut sums = honest_sums(&mut rng, 7, 16, 400);
             let mut samples = vec![16.0; 7];
             let honest_error = error(&shares(&sums, &samples).mean);
-            for a in 0..5 {
+            for _ in 0..5 {
                 let mut v = honest_sums(&mut rng, 1, 16, 400).remove(0);
                 let mut claim = 16.0;
                 match attack {
@@ -232,7 +265,6 @@ mod tests {
                         .iter_mut()
                         .for_each(|x| *x += 100.0 * gaussian(&mut rng) as f32),
                 }
-                let _ = a;
                 sums.push(v);
                 samples.push(claim);
             }
@@ -244,15 +276,17 @@ mod tests {
             // The weight of a huge claim is capped.
             assert!(robust.weights.iter().all(|w| *w <= 16.0), "{attack}");
             // The evidence: honest shares support the result, flipped and scaled ones oppose
-            // it, noise does not follow it.
-            let support: Vec<f64> = robust.support.iter().map(|s| s.unwrap()).collect();
+            // it far outside the honest spread, noise does not follow it.
+            let support: Vec<Support> = robust.support.iter().map(|s| s.unwrap()).collect();
             assert!(
-                support[..7].iter().all(|s| (0.8..1.2).contains(s)),
+                support[..7].iter().all(|s| (0.8..1.2).contains(&s.ratio)),
                 "{attack}: {support:?}"
             );
             if attack != "noise" {
                 assert!(
-                    support[7..].iter().all(|s| *s < 0.0),
+                    support[7..]
+                        .iter()
+                        .all(|s| s.ratio < 0.0 && s.deviation <= -MAX_DEVIATION),
                     "{attack}: {support:?}"
                 );
             }
