@@ -1,7 +1,7 @@
 //! `shoal bench`: performance measurements printed as JSON for tools and as a sentence for
 //! people.
 
-use crate::cli::{BenchCodecArgs, BenchComputeArgs};
+use crate::cli::{BenchAveragingArgs, BenchCodecArgs, BenchComputeArgs};
 use serde::Serialize;
 use shoal_compute::{
     AdamW, AnyBackend, Backend, Corpus, DataLoader, LocalPipeline, LrSchedule, Preset, Shard,
@@ -249,6 +249,97 @@ pub fn codec(args: BenchCodecArgs) -> anyhow::Result<()> {
                 name, f.encode_gbps, f.decode_gbps, f.ratio, f.max_abs_error, f.rms_error
             );
         }
+    }
+    Ok(())
+}
+
+#[derive(Debug, Serialize)]
+struct AveragingBench {
+    members: usize,
+    values: usize,
+    /// Seconds to reduce the part to a plain weighted mean (one thread).
+    plain_mean_s: f64,
+    /// Seconds to reduce it to the centered-clipping mean with its support scores.
+    centered_clip_s: f64,
+    /// Seconds to decode the members' int8 shares (what the owner does anyway).
+    int8_decode_s: f64,
+    /// centered_clip_s / plain_mean_s.
+    ratio_to_plain: f64,
+}
+
+/// What robust averaging costs a part owner: the same shares (gradients with a common signal
+/// and per-member noise) reduced both ways.
+pub fn averaging(args: BenchAveragingArgs) -> anyhow::Result<()> {
+    use shoal_protocol::swarm::robust::{Share, centered_clip};
+    use shoal_protocol::{Codec, Decoder, Encoder};
+    let (n, len) = (args.members, args.values);
+    let mut rng = shoal_compute::rng::Rng::new(1);
+    let signal: Vec<f32> = (0..len).map(|_| rng.normal() as f32).collect();
+    let sums: Vec<Vec<f32>> = (0..n)
+        .map(|_| {
+            signal
+                .iter()
+                .map(|s| 16.0 * (0.3 * s + rng.normal() as f32 / 4.0))
+                .collect()
+        })
+        .collect();
+    let shares: Vec<Share> = sums
+        .iter()
+        .map(|v| Share {
+            values: v,
+            samples: 16.0,
+        })
+        .collect();
+    let plain = fastest(args.rounds, || {
+        let mut sum = vec![0f64; len];
+        for s in &shares {
+            for (a, b) in sum.iter_mut().zip(s.values) {
+                *a += *b as f64;
+            }
+        }
+        let total: f64 = shares.iter().map(|s| s.samples).sum();
+        let mean: Vec<f32> = sum.iter().map(|v| (v / total) as f32).collect();
+        std::hint::black_box(mean);
+    });
+    let robust = fastest(args.rounds, || {
+        std::hint::black_box(centered_clip(std::hint::black_box(&shares), len));
+    });
+    let mut encoder = Encoder::new();
+    let mut decoder = Decoder::new();
+    let encoded: Vec<Vec<u8>> = sums
+        .iter()
+        .map(|v| {
+            let mut out = Vec::new();
+            encoder
+                .encode(Codec::default(), v, &[len], &mut out)
+                .map(|_| out)
+        })
+        .collect::<Result<_, _>>()?;
+    let mut decoded = Vec::new();
+    let decode = fastest(args.rounds, || {
+        for e in &encoded {
+            decoder.decode(e, &mut decoded).map(|_| ()).unwrap_or(());
+        }
+    });
+    let report = AveragingBench {
+        members: n,
+        values: len,
+        plain_mean_s: plain,
+        centered_clip_s: robust,
+        int8_decode_s: decode,
+        ratio_to_plain: robust / plain,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "{n} shares of {len} values: plain mean {:.2} ms, centered clipping {:.2} ms ({:.1}x), \
+             decoding the int8 shares {:.2} ms (one thread)",
+            plain * 1e3,
+            robust * 1e3,
+            robust / plain,
+            decode * 1e3
+        );
     }
     Ok(())
 }

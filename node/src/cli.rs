@@ -217,6 +217,24 @@ pub enum BenchCommand {
     Codec(BenchCodecArgs),
     /// Measure tensor transfer between two local nodes against plain quinn.
     Net(BenchNetArgs),
+    /// Measure a part owner's robust mean (centered clipping) against a plain mean.
+    Averaging(BenchAveragingArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchAveragingArgs {
+    /// Members whose shares the owner reduces.
+    #[arg(long, default_value = "6", value_parser = positive)]
+    pub members: usize,
+    /// Values in the part.
+    #[arg(long, default_value = "1048576", value_parser = positive)]
+    pub values: usize,
+    /// Timed repetitions of each operation (the fastest is reported).
+    #[arg(long, default_value = "5", value_parser = positive)]
+    pub rounds: usize,
+    /// Print one JSON object instead of a sentence.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]

@@ -56,6 +56,7 @@ fn main() -> ExitCode {
         cli::Command::Bench(cli::BenchCommand::Compute(a)) => bench::compute(a),
         cli::Command::Bench(cli::BenchCommand::Codec(a)) => bench::codec(a),
         cli::Command::Bench(cli::BenchCommand::Net(a)) => bench_net::net(a),
+        cli::Command::Bench(cli::BenchCommand::Averaging(a)) => bench::averaging(a),
         cli::Command::Netsim(a) => netsim::run(a),
         cli::Command::Devices(a) => devices::run(a),
     };
