@@ -367,9 +367,10 @@ impl Sim {
             .filter(|p| p.alive() && p.machine.is_serving())
     }
 
-    /// Every live replica has taken the run's last step.
+    /// Every live honest replica has taken the run's last step (a banned attacker, cut off
+    /// by everyone, never does; an attacker's progress is not the run's).
     fn done(&self) -> bool {
-        let mut serving = self.serving().peekable();
+        let mut serving = self.serving().filter(|p| !p.attacker()).peekable();
         serving.peek().is_some() && serving.all(|p| p.machine.is_finished())
     }
 

@@ -222,16 +222,17 @@ fn the_command_writes_a_report_and_a_plot() {
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
 }
 
-/// Two stages of three replicas, one of each stage attacking from the start.
+/// Two stages of four replicas, one of each stage attacking from 2.1 s (the swarm's first
+/// steps are at 2.0 s), 30 steps.
 fn attacked(behavior: &str) -> String {
     let mut text = String::from(
-        "[run]\npreset = \"nano\"\nstages = 2\nglobal_batch = 48\nmicrobatch = 8\nsteps = 16\n",
+        "[run]\npreset = \"nano\"\nstages = 2\nglobal_batch = 64\nmicrobatch = 8\nsteps = 30\n",
     );
     for stage in 0..2 {
         text += &format!(
-            "\n[[peers]]\ncount = 2\ndevice = \"rtx3090\"\nlink = \"metro\"\nstage = {stage}\n\
+            "\n[[peers]]\ncount = 3\ndevice = \"rtx3090\"\nlink = \"metro\"\nstage = {stage}\n\
              \n[[peers]]\ncount = 1\ndevice = \"rtx3090\"\nlink = \"metro\"\nstage = {stage}\n\
-             behavior = \"{behavior}\"\n"
+             behavior = \"{behavior}\"\nbehavior_from_s = 2.1\n"
         );
     }
     text
@@ -265,10 +266,18 @@ fn poisoned_contributions_are_bounded_and_their_senders_banned() {
             assert!(banned.iter().all(|p| r.attackers.contains(p)), "{behavior}");
             assert!(table.contains("banned"), "{table}");
         }
+        // Measured: within 0.5% (seed 1); the README's tables have longer runs.
         let loss = r.final_loss.expect("a loss");
         assert!(
-            loss < honest_loss * 1.05,
+            loss < honest_loss * 1.02,
             "{behavior}: loss {loss} against {honest_loss} honest"
+        );
+        // The run ends when the honest replicas finish, banned attackers or not.
+        assert!(
+            r.sim_seconds < honest.sim_seconds * 1.5,
+            "{behavior}: {} s against {} s honest",
+            r.sim_seconds,
+            honest.sim_seconds
         );
     }
     let bad = Scenario::parse(&attacked("flip")).unwrap_err();
