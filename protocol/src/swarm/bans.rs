@@ -23,7 +23,7 @@ use super::PeerKey;
 use super::membership::Membership;
 use super::message::{Accusation, Misconduct};
 use super::robust::Support;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// Rounds of scores a replica judges a member by.
 pub const WINDOW: usize = 5;
@@ -65,8 +65,10 @@ pub struct Bans {
     seen: BTreeMap<PeerKey, VecDeque<Support>>,
     /// Whom this peer accuses (announced with every announcement).
     accusing: BTreeMap<PeerKey, Misconduct>,
-    /// Banned peers, in the order banned.
-    banned: VecDeque<PeerKey>,
+    /// Banned peers (looked up on every message).
+    banned: BTreeSet<PeerKey>,
+    /// The same, in the order banned (the oldest is forgotten first).
+    banned_order: VecDeque<PeerKey>,
 }
 
 impl Bans {
@@ -132,7 +134,11 @@ impl Bans {
     /// Drops the accusation of the earliest banned peer still accused (its ban has had time to
     /// spread), if any.
     fn make_room(&mut self) {
-        if let Some(k) = self.banned.iter().find(|k| self.accusing.contains_key(k)) {
+        if let Some(k) = self
+            .banned_order
+            .iter()
+            .find(|k| self.accusing.contains_key(k))
+        {
             self.accusing.remove(&k.clone());
         }
     }
@@ -192,10 +198,13 @@ impl Bans {
             .map(|(w, _)| *w)
             .unwrap_or(Misconduct::OpposedTheStage);
         self.seen.remove(&accused);
-        if self.banned.len() >= MAX_BANNED {
-            self.banned.pop_front();
+        if self.banned_order.len() >= MAX_BANNED
+            && let Some(oldest) = self.banned_order.pop_front()
+        {
+            self.banned.remove(&oldest);
         }
-        self.banned.push_back(accused);
+        self.banned_order.push_back(accused);
+        self.banned.insert(accused);
         // Keep accusing it, so that peers that have not yet banned it still can.
         self.accusing.entry(accused).or_insert(why);
         Some(Ban {

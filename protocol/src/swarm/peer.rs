@@ -597,6 +597,7 @@ impl Peer {
             return;
         }
         let known = self.members.get(from).map(|m| m.announcement.round);
+        let known_stage = self.members.get(from).map(|m| m.announcement.stage);
         if known.is_none_or(|r| a.round > r) {
             self.driver.note_advance(now);
         }
@@ -608,9 +609,11 @@ impl Peer {
             // No room for it (see `Membership`): nothing of it is known.
             return;
         }
-        // Its stage may have accused it before this peer knew its stage; what it accuses may
-        // now have its majority.
-        self.judge(from, now);
+        // Its stage may have accused it before this peer knew its stage (judged on every
+        // accuser's announcement after that); what it accuses may now have its majority.
+        if known_stage != Some(a.stage) {
+            self.judge(from, now);
+        }
         for accused in a.accuses.iter().map(|x| x.peer) {
             self.judge(accused, now);
         }
