@@ -4,6 +4,7 @@ use crate::device::DeviceProfile;
 use crate::link::LinkProfile;
 use serde::Deserialize;
 use shoal_compute::StageSpec;
+use shoal_protocol::swarm::attack::Behavior;
 use shoal_protocol::swarm::membership::Routing;
 use shoal_protocol::swarm::{DataSource, RunConfig, SyncMode};
 use shoal_protocol::{Codec, TrafficCodecs};
@@ -104,57 +105,12 @@ pub struct PeerGroup {
     /// The stage they take first (default: the one the run needs most when they choose),
     /// e.g. to start a swarm badly balanced; rebalancing may move them later.
     pub stage: Option<u32>,
-    /// How they behave: `honest` (default) or an attack (see [`Behavior`]).
+    /// How they behave: `honest` (default) or an attack (see [`Behavior`]: sign-flip, scale:F, noise:SIGMA, zero, nan, bad-part).
     #[serde(default)]
     pub behavior: Option<String>,
     /// Honest until then, simulated seconds.
     #[serde(default)]
     pub behavior_from_s: f64,
-}
-
-/// What a peer does with what it computes for others. The attacks run the honest protocol and
-/// change only the values they send, well-formed and (but for `nan`) finite: what a malicious
-/// volunteer can do without breaking a rule of the protocol.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Behavior {
-    /// Sends what it computed.
-    Honest,
-    /// Sends its averaging contribution negated.
-    SignFlip,
-    /// Sends its averaging contribution multiplied by a factor.
-    Scale(f32),
-    /// Sends its averaging contribution plus Gaussian noise of this standard deviation.
-    Noise(f32),
-    /// Sends zeros as its averaging contribution (while claiming its samples).
-    Zero,
-    /// Puts NaN in its averaging contribution.
-    Nan,
-}
-
-impl std::str::FromStr for Behavior {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        let number = |v: &str| -> Result<f32, String> {
-            v.parse::<f32>()
-                .ok()
-                .filter(|x| x.is_finite())
-                .ok_or_else(|| format!("'{v}' is not a number"))
-        };
-        Ok(match s.split_once(':') {
-            None if s == "honest" => Behavior::Honest,
-            None if s == "sign-flip" => Behavior::SignFlip,
-            None if s == "zero" => Behavior::Zero,
-            None if s == "nan" => Behavior::Nan,
-            Some(("scale", f)) => Behavior::Scale(number(f)?),
-            Some(("noise", sigma)) => Behavior::Noise(number(sigma)?),
-            _ => {
-                return Err(format!(
-                    "'{s}' (honest, sign-flip, scale:F, noise:SIGMA, zero or nan)"
-                ));
-            }
-        })
-    }
 }
 
 /// What a scripted event does.

@@ -13,8 +13,9 @@ use crate::device::DeviceProfile;
 use crate::link::{AccessLink, deliver};
 use crate::modelled::ModelledStage;
 use crate::report::{Recovery, Report};
-use crate::scenario::{Behavior, Compute, EventKind, Group, Setup};
+use crate::scenario::{Compute, EventKind, Group, Setup};
 use shoal_compute::{Corpus, CpuBackend};
+use shoal_protocol::swarm::attack::{Attack, Behavior};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
     Action, ComputeDone, Envelope, Event, Input, Job, Message, Peer, PeerKey, RunConfig, RunId,
@@ -75,45 +76,14 @@ struct SimPeer {
     busy_total: f64,
     /// The deadline its pending timer event is for.
     timer: Option<u64>,
-    /// What it does with its averaging contributions, and from when (simulated seconds).
-    behavior: Behavior,
-    behavior_from: f64,
-    /// Its own noise (seeded by its key: an attacker draws nothing from the simulation's).
-    noise: SeededRng,
+    /// Whether it misbehaves at some point of the run (see [`Attack`]).
+    attacker: bool,
 }
 
 impl SimPeer {
-    /// Its averaging contribution as it sends it: an attacker's, changed.
-    fn contribution(&mut self, mut values: Vec<f32>, now: f64) -> Vec<f32> {
-        if now < self.behavior_from {
-            return values;
-        }
-        match self.behavior {
-            Behavior::Honest => {}
-            Behavior::SignFlip => values.iter_mut().for_each(|v| *v = -*v),
-            Behavior::Scale(f) => values.iter_mut().for_each(|v| *v *= f),
-            Behavior::Zero => values.iter_mut().for_each(|v| *v = 0.0),
-            Behavior::Nan => {
-                if let Some(v) = values.first_mut() {
-                    *v = f32::NAN;
-                }
-            }
-            Behavior::Noise(sigma) => {
-                for v in &mut values {
-                    // Box-Muller from two uniform draws.
-                    let u1 = ((self.noise.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-                    let u2 = (self.noise.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
-                    let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
-                    *v += sigma * z as f32;
-                }
-            }
-        }
-        values
-    }
-
     /// Whether it attacks at some point of the run.
     fn attacker(&self) -> bool {
-        self.behavior != Behavior::Honest
+        self.attacker
     }
 
     /// Whether its replica holds a parameter or optimizer value that is not finite (real
@@ -413,14 +383,6 @@ impl Sim {
             }
             Ev::Computed { peer, done } => {
                 if self.peers[peer].alive() {
-                    let at = self.now_s();
-                    let done = match done {
-                        ComputeDone::Gradient { values, samples } => ComputeDone::Gradient {
-                            values: self.peers[peer].contribution(values, at),
-                            samples,
-                        },
-                        other => other,
-                    };
                     self.peers[peer].machine.handle_compute_done(done, now);
                     self.after(peer);
                 }
@@ -456,6 +418,12 @@ impl Sim {
             if let Some(stage) = group.stage {
                 machine.set_first_stage(stage);
             }
+            // Its noise is seeded by its key: an attacker draws nothing from the simulation's.
+            machine.set_attack(Attack::new(
+                group.behavior,
+                Duration::from_secs_f64(group.behavior_from_s),
+                key.0,
+            ));
             let worker = match self.setup.compute {
                 Compute::Real => {
                     let corpus = Corpus::synthetic(self.config.seed);
@@ -486,9 +454,7 @@ impl Sim {
                 busy_until: self.now_s(),
                 busy_total: 0.0,
                 timer: None,
-                behavior: group.behavior,
-                behavior_from: group.behavior_from_s,
-                noise: SeededRng::new(key.0 ^ 0x6e6f_6973_6521),
+                attacker: group.behavior != Behavior::Honest,
             });
             self.after(index);
         }

@@ -186,6 +186,15 @@ pub struct RunArgs {
     /// driver alike, however slow).
     #[arg(long, default_value = "weighted")]
     pub routing: shoal_protocol::swarm::membership::Routing,
+    /// Misbehave on purpose, to test the swarm's defences with real processes: sign-flip,
+    /// scale:F, noise:SIGMA, zero, nan or bad-part (test builds only: the `attacks` feature).
+    #[cfg(feature = "attacks")]
+    #[arg(long, default_value = "honest")]
+    pub behavior: shoal_protocol::swarm::attack::Behavior,
+    /// Honest until this many seconds after start.
+    #[cfg(feature = "attacks")]
+    #[arg(long, default_value = "0")]
+    pub behavior_from: f64,
     #[command(flatten)]
     pub device: DeviceArgs,
     /// The key file of this peer's identity (created on first run, owner-only).

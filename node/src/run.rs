@@ -471,6 +471,12 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         std::collections::hash_map::RandomState::new().hash_one(me.0)
     };
     let mut peer = Peer::new(me, config.clone(), costs, timing, seed, resume, now());
+    #[cfg(feature = "attacks")]
+    peer.set_attack(shoal_protocol::swarm::attack::Attack::new(
+        args.behavior,
+        Duration::from_secs_f64(args.behavior_from.max(0.0)),
+        seed,
+    ));
     peer.set_routing(args.routing);
     if let Some(stage) = args.stage {
         peer.set_first_stage(stage);

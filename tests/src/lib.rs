@@ -15,7 +15,8 @@ use std::sync::{OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 /// The `shoal` binary of this build, brought up to date once per test process (`cargo test
-/// -p shoal-tests` alone would not rebuild it, and a stale binary tests old code).
+/// -p shoal-tests` alone would not rebuild it, and a stale binary tests old code), built with
+/// the test-only `attacks` feature.
 pub fn shoal_binary() -> PathBuf {
     static BINARY: OnceLock<PathBuf> = OnceLock::new();
     BINARY
@@ -28,7 +29,18 @@ pub fn shoal_binary() -> PathBuf {
                 .expect("target directory");
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             let mut cmd = Command::new(cargo);
-            cmd.args(["build", "--quiet", "-p", "shoal-node", "--bin", "shoal"]);
+            // With the test-only `attacks` feature: the attack tests start misbehaving peers
+            // (`--behavior`); every other test starts honest ones of the same binary.
+            cmd.args([
+                "build",
+                "--quiet",
+                "-p",
+                "shoal-node",
+                "--bin",
+                "shoal",
+                "--features",
+                "attacks",
+            ]);
             if dir.file_name().is_some_and(|n| n == "release") {
                 cmd.arg("--release");
             }

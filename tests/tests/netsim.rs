@@ -240,8 +240,8 @@ fn attacked(behavior: &str) -> String {
 
 /// Attackers that change the values they send (well-formed, finite) break no protocol rule,
 /// so they are judged by what their values do: the part owners' centered clipping bounds
-/// their pull, and the replicas they fail to support accuse them until a majority of their
-/// stage has, and everyone bans them. The run finishes, honest replicas stay finite and agree,
+/// their pull, and the replicas they fail to support (or whose averaged parts disagree with
+/// their own shares) accuse them until a majority of their stage has, and everyone bans them. The run finishes, honest replicas stay finite and agree,
 /// no honest peer is banned, and the loss stays near the honest run's.
 #[test]
 fn poisoned_contributions_are_bounded_and_their_senders_banned() {
@@ -249,7 +249,14 @@ fn poisoned_contributions_are_bounded_and_their_senders_banned() {
     assert!(honest.attackers.is_empty());
     assert!(honest.banned.is_empty(), "{}", honest.table());
     let honest_loss = honest.final_loss.expect("a loss");
-    for behavior in ["sign-flip", "scale:-4", "scale:10", "zero", "noise:0.1"] {
+    for behavior in [
+        "sign-flip",
+        "scale:-4",
+        "scale:10",
+        "zero",
+        "noise:0.1",
+        "bad-part",
+    ] {
         let r = run(&attacked(behavior), 1);
         let table = r.table();
         assert!(r.finished, "{behavior}: {table}");
@@ -266,10 +273,12 @@ fn poisoned_contributions_are_bounded_and_their_senders_banned() {
             assert!(banned.iter().all(|p| r.attackers.contains(p)), "{behavior}");
             assert!(table.contains("banned"), "{table}");
         }
-        // Measured: within 0.5% (seed 1); the README's tables have longer runs.
+        // Measured: within 0.5% (seed 1) but for a forged part, which every replica applies
+        // until its owner is banned (+4.2%); the README's tables have longer runs.
         let loss = r.final_loss.expect("a loss");
+        let bound = if behavior == "bad-part" { 1.06 } else { 1.02 };
         assert!(
-            loss < honest_loss * 1.02,
+            loss < honest_loss * bound,
             "{behavior}: loss {loss} against {honest_loss} honest"
         );
         // The run ends when the honest replicas finish, banned attackers or not.

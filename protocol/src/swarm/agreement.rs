@@ -202,8 +202,11 @@ impl CatchUp {
 
 /// The hash vote, seen from a replica at `round` of `stage` whose parameters hash to `mine`
 /// when `from` announces `theirs` for the same round: this replica loses if fewer serving
-/// replicas at this round hold its hash than the other (itself counted), or as many and the
-/// other side has the smaller key. The loser downloads the winner's state.
+/// replicas at this round hold its hash than the other (itself counted), or as many, every
+/// serving replica of the stage has announced this round (no vote is still to come) and the
+/// other side has the smaller key. The loser downloads the winner's state. Without the second
+/// condition the first announcement of a round to arrive would win a tie of one against one,
+/// however many replicas were still to announce the majority's hash.
 pub(super) fn outvoted(
     members: &Membership,
     me: PeerKey,
@@ -213,18 +216,21 @@ pub(super) fn outvoted(
     theirs: u64,
     mine: u64,
 ) -> bool {
-    let (mut for_theirs, mut for_mine) = (0, 1);
+    let (mut for_theirs, mut for_mine, mut to_come) = (0, 1, 0);
     for (_, m) in members.iter() {
         let a = &m.announcement;
-        if a.state == MemberState::Serving && a.stage == Some(stage) && a.round == round {
-            if a.params_hash == Some(theirs) {
-                for_theirs += 1;
-            } else if a.params_hash == Some(mine) {
-                for_mine += 1;
-            }
+        if a.state != MemberState::Serving || a.stage != Some(stage) {
+            continue;
+        }
+        if a.round != round || a.params_hash.is_none() {
+            to_come += 1;
+        } else if a.params_hash == Some(theirs) {
+            for_theirs += 1;
+        } else if a.params_hash == Some(mine) {
+            for_mine += 1;
         }
     }
-    for_theirs > for_mine || (for_theirs == for_mine && from < me)
+    for_theirs > for_mine || (for_theirs == for_mine && to_come == 0 && from < me)
 }
 
 #[cfg(test)]
@@ -353,7 +359,8 @@ mod tests {
     }
 
     /// The hash vote: the side with fewer replicas at the round downloads the other's state;
-    /// a tie goes to the smaller key; replicas of other stages or rounds do not vote.
+    /// a tie goes to the smaller key once no replica of the stage is still to announce the
+    /// round; replicas of other stages or rounds do not vote.
     #[test]
     fn the_side_fewer_replicas_hold_downloads_the_state() {
         let vote = |m: &Membership, from: u64| outvoted(m, ME, 1, 0, PeerKey(from), 3, 7);
@@ -369,5 +376,15 @@ mod tests {
         assert!(vote(&elsewhere, 9));
         let only_others = members(&[(9, 1, 0, 3), (6, 2, 0, 3), (4, 1, 1, 3)]);
         assert!(!vote(&only_others, 9));
+        // The first announcement of a round to arrive does not win a tie while others of
+        // the stage are still at an earlier round.
+        let early = members(&[(3, 1, 1, 3), (8, 1, 0, 7), (6, 1, 0, 7)]);
+        let vote_at = |m: &Membership, round| outvoted(m, ME, 1, round, PeerKey(3), 3, 7);
+        assert!(!vote_at(&early, 1), "one to one, two still to announce");
+        let settled = members(&[(3, 1, 0, 3), (8, 1, 0, 7), (6, 1, 0, 3)]);
+        assert!(
+            vote_at(&settled, 0),
+            "two to two, all announced, smaller key"
+        );
     }
 }

@@ -17,10 +17,11 @@
 //! step, identically everywhere). A member left out of the group stays behind and re-syncs.
 
 use super::PeerKey;
+use super::bans::Evidence;
 use super::config::Timing;
 use super::message::{RoundKey, RoundMsg};
 use super::norms;
-use super::robust::{self, Share, Support};
+use super::robust::{self, Share};
 use crate::{Codec, Decoder, Encoder};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
@@ -65,9 +66,11 @@ pub struct RoundResult {
     pub left_out: Vec<PeerKey>,
     /// Parts nobody could deliver (zero everywhere).
     pub zeroed: Vec<u32>,
-    /// Per other member whose share reached this member's part: how much it supported the
-    /// part's robust mean ([`robust::Aggregate::support`]), the evidence bans are built on.
-    pub support: Vec<(PeerKey, Support)>,
+    /// What this member saw of the others, the evidence bans are built on: per member whose
+    /// share reached this member's part, how much it supported the part's robust mean
+    /// ([`robust::Aggregate::support`]); per averaged part received, how well it agreed with
+    /// this member's own share of it ([`robust::agreement`]).
+    pub evidence: Vec<Evidence>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -97,6 +100,8 @@ pub struct Round {
     phase: Phase,
     /// The leader this member follows (None: it leads).
     leader: Option<PeerKey>,
+    /// The leader whose start never came (the round failed waiting for it).
+    withheld_by: Option<PeerKey>,
     expected: BTreeSet<PeerKey>,
     joined: BTreeSet<PeerKey>,
     group: Vec<PeerKey>,
@@ -112,7 +117,11 @@ pub struct Round {
     /// others' parts and the averaged parts to be near (see [`super::norms`]).
     own_scale: f64,
     loss: Option<f64>,
-    support: Vec<(PeerKey, Support)>,
+    evidence: Vec<Evidence>,
+    /// This member's contribution (a sum over `own_samples`), to check averaged parts by.
+    own: Vec<f32>,
+    /// Scripted misbehaviour: negate the part this member owns.
+    pub(super) forge_part: bool,
     missing_answers: BTreeMap<u32, BTreeSet<PeerKey>>,
     started: Duration,
     deadline: Option<Duration>,
@@ -144,6 +153,7 @@ impl Round {
             timing,
             phase: Phase::Done,
             leader: None,
+            withheld_by: None,
             expected: BTreeSet::new(),
             joined: BTreeSet::new(),
             group: Vec::new(),
@@ -155,7 +165,9 @@ impl Round {
             own_samples: 0.0,
             own_scale: 0.0,
             loss: None,
-            support: Vec::new(),
+            evidence: Vec::new(),
+            own: Vec::new(),
+            forge_part: false,
             missing_answers: BTreeMap::new(),
             started: now,
             deadline: None,
@@ -235,6 +247,11 @@ impl Round {
         self.leader.filter(|_| self.phase == Phase::AwaitStart)
     }
 
+    /// The leader this member waited for in vain, if the round failed for that.
+    pub fn withheld_by(&self) -> Option<PeerKey> {
+        self.withheld_by
+    }
+
     /// When [`Round::handle_timeout`] should be called.
     pub fn deadline(&self) -> Option<Duration> {
         self.deadline
@@ -253,6 +270,8 @@ impl Round {
             return;
         }
         self.group = self.joined.iter().copied().collect();
+        let key = self.key;
+        self.group.sort_by_key(|k| key.rank(*k));
         for &k in &self.group {
             if k != self.me {
                 self.out.push_back(RoundOut::Send(
@@ -293,6 +312,7 @@ impl Round {
         };
         self.own_samples = samples;
         self.own_scale = norms::rms(values) / samples.max(1.0);
+        self.own = values.to_vec();
         self.started = now;
         let mut buf = Vec::new();
         for j in 0..self.group.len() {
@@ -356,11 +376,15 @@ impl Round {
             }
             // Only the leader this member follows starts its round.
             (Phase::AwaitStart, RoundMsg::Start { group }) if Some(from) == self.leader => {
-                let mut sorted = group.clone();
-                sorted.sort();
-                sorted.dedup();
-                if sorted.len() != group.len() || group.len() > MAX_GROUP {
-                    self.violation(from, "a round's group with repeated members or too large");
+                // Strictly in rank order: no repeats, and the leader does not choose who owns
+                // which part.
+                let key = self.key;
+                let ranked = group.windows(2).all(|w| key.rank(w[0]) < key.rank(w[1]));
+                if !ranked || group.len() > MAX_GROUP {
+                    self.violation(
+                        from,
+                        "a round's group out of rank order, with repeated members or too large",
+                    );
                     return;
                 }
                 if !group.contains(&self.me) {
@@ -465,6 +489,16 @@ impl Round {
                         self.violation(from, "an averaged part far larger than this member's own");
                     }
                     Some(v) => {
+                        let own = self.own.get(self.range(j)).unwrap_or_default();
+                        // Evidence only: a member does not refuse a part on its own (members
+                        // with no samples this round cannot check it, and replicas that
+                        // applied different parts would diverge); the owner is banned instead.
+                        if let Some(agreement) = robust::agreement(own, self.own_samples, &v) {
+                            self.evidence.push(Evidence::Part {
+                                peer: from,
+                                agreement,
+                            });
+                        }
                         self.averaged[j] = Some(v);
                         if self.loss.is_none() {
                             self.loss = loss;
@@ -533,14 +567,19 @@ impl Round {
         // This member's own part decides the loss it reports (parts agree unless a share
         // went missing).
         self.loss = loss.or(self.loss);
-        self.support = members
-            .into_iter()
-            .zip(robust.support)
-            .filter(|(k, _)| *k != self.me)
-            .filter_map(|(k, s)| Some((k, s?)))
-            .collect();
+        self.evidence.extend(
+            members
+                .into_iter()
+                .zip(robust.support)
+                .filter(|(k, _)| *k != self.me)
+                .filter_map(|(peer, s)| Some(Evidence::Share { peer, support: s? })),
+        );
         let samples = robust.weight;
-        let avg = robust.mean;
+        let mut avg = robust.mean;
+        if self.forge_part {
+            // A scripted attacker (see [`super::attack`]): its part, negated, for everyone.
+            avg.iter_mut().for_each(|v| *v = -*v);
+        }
         let mut data = Vec::new();
         if self.group.len() == 1 {
             // Alone: nothing travels, so nothing needs compressing.
@@ -611,7 +650,7 @@ impl Round {
             loss: self.loss,
             left_out,
             zeroed,
-            support: std::mem::take(&mut self.support),
+            evidence: std::mem::take(&mut self.evidence),
         }));
     }
 
@@ -653,7 +692,10 @@ impl Round {
         }
         match self.phase {
             Phase::Gathering => self.maybe_start(now, true),
-            Phase::AwaitStart => self.fail("no start from the round's leader"),
+            Phase::AwaitStart => {
+                self.withheld_by = self.leader;
+                self.fail("no start from the round's leader");
+            }
             Phase::Exchanging if !self.owned_done => {
                 self.maybe_reduce(now, true);
                 self.maybe_finish(now);
@@ -808,7 +850,8 @@ mod tests {
     /// averaged part is not applied.
     #[test]
     fn parts_far_larger_than_this_members_own_are_refused() {
-        let key = RoundKey { stage: 0, index: 0 };
+        // Peer 1 ranks before peer 2 in this round: it owns part 0.
+        let key = RoundKey { stage: 1, index: 0 };
         let (a, b) = (PeerKey(1), PeerKey(2));
         let mut r = Round::lead(key, a, &[b], 8, Codec::Fp32, timing(), Duration::ZERO);
         r.handle(b, RoundMsg::Join, Duration::ZERO);

@@ -1,6 +1,7 @@
 //! Bans with evidence: a replica whose averaging shares keep opposing (or dwarfing) its stage's
-//! robust mean is accused by the replicas that saw them, and banned by every peer once a
-//! majority of the stage accuses it.
+//! robust mean, or whose averaged parts keep disagreeing with the shares they were reduced
+//! from, is accused by the replicas that saw them, and banned by every peer once a majority of
+//! the stage accuses it.
 //!
 //! Evidence is first-hand. Each part owner scores every share it reduced by how much it
 //! supported the part's robust mean ([`super::robust::Support`]: a ratio, about 1 for honest
@@ -9,8 +10,11 @@
 //! with a mean deviation below -[`DEVIATION`] (flipped or zeroed shares), or rises above
 //! [`SUPPORT_HIGH`] with a deviation above [`DEVIATION`] (scaled ones), it accuses the member in
 //! its announcements, and withdraws the accusation if the window recovers (one unlucky stretch
-//! of noise costs nothing). Every
-//! member sends a share to every owner, so every replica of the stage holds its own evidence.
+//! of noise costs nothing). The averaged parts are judged the same way by the members that
+//! receive them: each compares a part with its own share of it ([`super::robust::agreement`],
+//! about 1 for an honest part) and accuses an owner whose last [`PART_WINDOW`] parts averaged
+//! outside [[`PART_LOW`], [`PART_HIGH`]]. Every member sends a share to every owner and
+//! receives every part, so every replica of the stage holds its own evidence of both.
 //!
 //! A peer bans a member when more than half of the member's stage (the member counted)
 //! accuses it, counting only accusers that its own view holds to be replicas of that stage. So
@@ -39,11 +43,43 @@ pub const SUPPORT_HIGH: f64 = 3.0;
 /// deviations from the median member (for honest members it averages 0 over the window).
 pub const DEVIATION: f64 = 2.0;
 
+/// Averaged parts a replica judges a member by: fewer than shares, as a forged part is applied
+/// by every replica (a share is only clipped), and an honest part's agreement scatters less.
+pub const PART_WINDOW: usize = 3;
+
+/// Below this mean agreement the averaged parts a member sent disagree with the shares they
+/// were reduced from (honest parts agree about 1 on average; a member with a much smaller
+/// weight than the others sees less, but such members are a minority of any stage).
+pub const PART_LOW: f64 = 0.25;
+
+/// Above this mean agreement its parts were shrunk.
+pub const PART_HIGH: f64 = 4.0;
+
 /// Accusations one announcement may carry.
 pub const MAX_ACCUSATIONS: usize = 16;
 
 /// Banned peers remembered, at most (older bans are forgotten first beyond it).
 const MAX_BANNED: usize = super::membership::MAX_MEMBERS;
+
+/// What one round showed this peer of another member.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Evidence {
+    /// The member's share of the part this peer reduced supported its robust mean this much.
+    Share {
+        /// The member.
+        peer: PeerKey,
+        /// How much (see [`Support`]).
+        support: Support,
+    },
+    /// The averaged part the member sent agreed this well with this peer's own share of it
+    /// (see [`super::robust::agreement`]).
+    Part {
+        /// The member.
+        peer: PeerKey,
+        /// How well (about 1 when honest).
+        agreement: f64,
+    },
+}
 
 /// A ban, as decided by this peer.
 #[derive(Clone, Debug, PartialEq)]
@@ -63,6 +99,8 @@ pub struct Ban {
 pub struct Bans {
     /// The last [`WINDOW`] support scores this peer saw of each member of its stage.
     seen: BTreeMap<PeerKey, VecDeque<Support>>,
+    /// The last [`PART_WINDOW`] agreements of the averaged parts each member sent this peer.
+    parts: BTreeMap<PeerKey, VecDeque<f64>>,
     /// Whom this peer accuses (announced with every announcement).
     accusing: BTreeMap<PeerKey, Misconduct>,
     /// Banned peers (looked up on every message).
@@ -85,31 +123,31 @@ impl Bans {
             .collect()
     }
 
-    /// Scores a round this peer owned a part of gave members of its stage. Returns the members
+    /// Takes in what a round showed of the members of this peer's stage. Returns the members
     /// whose accusation changed (to check for a ban).
-    pub fn observe(&mut self, support: &[(PeerKey, Support)]) -> Vec<PeerKey> {
+    pub fn observe(&mut self, evidence: &[Evidence]) -> Vec<PeerKey> {
         let mut changed = Vec::new();
-        for &(peer, s) in support {
-            if self.is_banned(peer) || !(s.ratio.is_finite() && s.deviation.is_finite()) {
-                continue;
-            }
-            let seen = self.seen.entry(peer).or_default();
-            seen.push_back(s);
-            if seen.len() > WINDOW {
-                seen.pop_front();
-            }
-            if seen.len() < WINDOW {
-                continue;
-            }
-            let ratio = seen.iter().map(|s| s.ratio).sum::<f64>() / WINDOW as f64;
-            let deviation = seen.iter().map(|s| s.deviation).sum::<f64>() / WINDOW as f64;
-            let verdict = if ratio < SUPPORT_LOW && deviation < -DEVIATION {
-                Some(Misconduct::OpposedTheStage)
-            } else if ratio > SUPPORT_HIGH && deviation > DEVIATION {
-                Some(Misconduct::DwarfedTheStage)
-            } else {
-                None
+        for e in evidence {
+            let peer = match *e {
+                Evidence::Share { peer, support } => {
+                    if !(support.ratio.is_finite() && support.deviation.is_finite()) {
+                        continue;
+                    }
+                    remember(self.seen.entry(peer).or_default(), support, WINDOW);
+                    peer
+                }
+                Evidence::Part { peer, agreement } => {
+                    if !agreement.is_finite() {
+                        continue;
+                    }
+                    remember(self.parts.entry(peer).or_default(), agreement, PART_WINDOW);
+                    peer
+                }
             };
+            if self.is_banned(peer) {
+                continue;
+            }
+            let verdict = self.verdict(peer);
             let before = self.accusing.get(&peer).copied();
             match verdict {
                 Some(why) if before != Some(why) => {
@@ -131,6 +169,34 @@ impl Bans {
         changed
     }
 
+    /// What this peer's full windows of evidence say about `peer`.
+    fn verdict(&self, peer: PeerKey) -> Option<Misconduct> {
+        let shares = self
+            .seen
+            .get(&peer)
+            .filter(|w| w.len() == WINDOW)
+            .and_then(|w| {
+                let ratio = w.iter().map(|s| s.ratio).sum::<f64>() / WINDOW as f64;
+                let deviation = w.iter().map(|s| s.deviation).sum::<f64>() / WINDOW as f64;
+                if ratio < SUPPORT_LOW && deviation < -DEVIATION {
+                    Some(Misconduct::OpposedTheStage)
+                } else if ratio > SUPPORT_HIGH && deviation > DEVIATION {
+                    Some(Misconduct::DwarfedTheStage)
+                } else {
+                    None
+                }
+            });
+        let parts = self
+            .parts
+            .get(&peer)
+            .filter(|w| w.len() == PART_WINDOW)
+            .and_then(|w| {
+                let agreement = w.iter().sum::<f64>() / PART_WINDOW as f64;
+                (!(PART_LOW..=PART_HIGH).contains(&agreement)).then_some(Misconduct::CorruptedParts)
+            });
+        shares.or(parts)
+    }
+
     /// Drops the accusation of the earliest banned peer still accused (its ban has had time to
     /// spread), if any.
     fn make_room(&mut self) {
@@ -146,6 +212,7 @@ impl Bans {
     /// Forgets the evidence about a member that left (a ban is not forgotten).
     pub fn forget(&mut self, peer: PeerKey) {
         self.seen.remove(&peer);
+        self.parts.remove(&peer);
         if !self.is_banned(peer) {
             self.accusing.remove(&peer);
         }
@@ -198,6 +265,7 @@ impl Bans {
             .map(|(w, _)| *w)
             .unwrap_or(Misconduct::OpposedTheStage);
         self.seen.remove(&accused);
+        self.parts.remove(&accused);
         if self.banned_order.len() >= MAX_BANNED
             && let Some(oldest) = self.banned_order.pop_front()
         {
@@ -216,6 +284,14 @@ impl Bans {
     }
 }
 
+/// Appends `x` to a window of the last `n` values.
+fn remember<T>(window: &mut VecDeque<T>, x: T, n: usize) {
+    window.push_back(x);
+    if window.len() > n {
+        window.pop_front();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -228,6 +304,14 @@ mod tests {
             ratio,
             deviation: ((ratio - 1.0) / 0.2).clamp(-8.0, 8.0),
         }
+    }
+
+    fn share(peer: PeerKey, support: Support) -> Evidence {
+        Evidence::Share { peer, support }
+    }
+
+    fn part(peer: PeerKey, agreement: f64) -> Evidence {
+        Evidence::Part { peer, agreement }
     }
 
     fn stage_of(n: u64) -> Membership {
@@ -253,7 +337,7 @@ mod tests {
         let mut b = Bans::default();
         let bad = PeerKey(9);
         for round in 0..WINDOW {
-            let changed = b.observe(&[(bad, s(-1.0)), (PeerKey(2), s(1.0))]);
+            let changed = b.observe(&[share(bad, s(-1.0)), share(PeerKey(2), s(1.0))]);
             assert_eq!(changed.is_empty(), round + 1 < WINDOW, "round {round}");
         }
         assert_eq!(
@@ -266,13 +350,13 @@ mod tests {
         // One bad round among good ones is noise.
         let mut c = Bans::default();
         for r in [1.0, -1.0, 1.2, 0.9, 1.0, 0.8] {
-            c.observe(&[(bad, s(r))]);
+            c.observe(&[share(bad, s(r))]);
         }
         assert!(c.accusations().is_empty());
         // Low ratios within the members' own spread (no common signal) are no evidence.
         let mut d = Bans::default();
         for _ in 0..2 * WINDOW {
-            d.observe(&[(
+            d.observe(&[share(
                 bad,
                 Support {
                     ratio: -3.0,
@@ -283,14 +367,44 @@ mod tests {
         assert!(d.accusations().is_empty());
         // Recovering withdraws the accusation.
         for _ in 0..WINDOW {
-            b.observe(&[(bad, s(1.0))]);
+            b.observe(&[share(bad, s(1.0))]);
         }
         assert!(b.accusations().is_empty());
         // Scaled shares are accused too.
         for _ in 0..WINDOW {
-            b.observe(&[(bad, s(10.0))]);
+            b.observe(&[share(bad, s(10.0))]);
         }
         assert_eq!(b.accusations()[0].why, Misconduct::DwarfedTheStage);
+    }
+
+    #[test]
+    fn a_member_whose_averaged_parts_disagree_with_the_shares_is_accused() {
+        let bad = PeerKey(9);
+        for (agreement, accused) in [(-1.0, true), (0.0, true), (0.1, true), (10.0, true)]
+            .into_iter()
+            .chain([(1.0, false), (0.4, false), (2.5, false)])
+        {
+            let mut b = Bans::default();
+            for round in 0..PART_WINDOW {
+                let changed = b.observe(&[part(bad, agreement)]);
+                assert_eq!(
+                    !changed.is_empty(),
+                    accused && round + 1 == PART_WINDOW,
+                    "agreement {agreement}, round {round}"
+                );
+            }
+            assert_eq!(
+                b.accusations().first().map(|a| a.why),
+                accused.then_some(Misconduct::CorruptedParts),
+                "agreement {agreement}"
+            );
+        }
+        // Scattered agreements, as at a low signal-to-noise ratio, are no evidence.
+        let mut b = Bans::default();
+        for a in [1.6, 0.2, 0.9, -0.2, 1.4, 0.3, 1.1, 0.2, 1.0] {
+            b.observe(&[part(bad, a)]);
+        }
+        assert!(b.accusations().is_empty());
     }
 
     #[test]
@@ -301,7 +415,7 @@ mod tests {
         m.remove(me);
         let mut b = Bans::default();
         for _ in 0..WINDOW {
-            b.observe(&[(PeerKey(6), s(-1.0))]);
+            b.observe(&[share(PeerKey(6), s(-1.0))]);
         }
         accuse(&mut m, 2, 6);
         assert_eq!(b.judge(PeerKey(6), &m, me, Some(0)), None, "2 of 6");
@@ -359,8 +473,8 @@ mod tests {
                 })
                 .collect();
             let robust = centered_clip(&shares, 200);
-            let scores: Vec<(PeerKey, Support)> = (0..6)
-                .filter_map(|k| Some((PeerKey(k), robust.support[k as usize]?)))
+            let scores: Vec<Evidence> = (0..6)
+                .filter_map(|k| Some(share(PeerKey(k), robust.support[k as usize]?)))
                 .collect();
             b.observe(&scores);
             assert!(b.accusations().is_empty(), "{scores:?}");
@@ -371,7 +485,7 @@ mod tests {
     fn accusations_are_bounded() {
         let mut b = Bans::default();
         for _ in 0..WINDOW {
-            let all: Vec<(PeerKey, Support)> = (0..100).map(|k| (PeerKey(k), s(-1.0))).collect();
+            let all: Vec<Evidence> = (0..100).map(|k| share(PeerKey(k), s(-1.0))).collect();
             b.observe(&all);
         }
         assert_eq!(b.accusations().len(), MAX_ACCUSATIONS);

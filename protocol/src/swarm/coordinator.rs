@@ -166,6 +166,12 @@ impl StepCoordinator {
         self.round
     }
 
+    /// Scripted misbehaviour (see [`super::attack`]): whether this replica's rounds negate
+    /// the part it owns.
+    pub fn forge_parts(&mut self, on: bool) {
+        self.rounds.forge_parts = on;
+    }
+
     /// Parameter hash right after the last round.
     pub fn params_hash(&self) -> Option<u64> {
         self.params_hash
@@ -627,7 +633,7 @@ impl StepCoordinator {
                         });
                     }
                     self.stats.rounds += 1;
-                    out.support.extend_from_slice(&result.support);
+                    out.evidence.extend_from_slice(&result.evidence);
                     self.round_group = result.group.len();
                     self.round_samples = result.samples;
                     self.round_loss = result.loss;

@@ -92,6 +92,9 @@ pub enum Misconduct {
     OpposedTheStage,
     /// Its averaging shares were several times its stage's robust mean, round after round.
     DwarfedTheStage,
+    /// The averaged parts it sent disagreed with the members' own shares, round after round
+    /// (negated, scaled, zeroed or replaced).
+    CorruptedParts,
 }
 
 impl std::fmt::Display for Misconduct {
@@ -102,6 +105,9 @@ impl std::fmt::Display for Misconduct {
             }
             Misconduct::DwarfedTheStage => {
                 "its averaging shares were several times the stage's robust mean, round after round"
+            }
+            Misconduct::CorruptedParts => {
+                "the averaged parts it sent disagreed with the members' own shares, round after round"
             }
         })
     }
@@ -151,6 +157,26 @@ pub struct RoundKey {
     pub index: u64,
 }
 
+impl RoundKey {
+    /// Where `peer` ranks in this round: the leader ranks first and member `i` of the group
+    /// (in rank order) owns part `i`. A hash of the round and the peer's key, so that no peer
+    /// chooses its place: a key ground to lead one chosen round ranks at random in every
+    /// other, and a member owns a different part each round. Ties (never seen in practice)
+    /// are broken by the key.
+    pub fn rank(&self, peer: PeerKey) -> (u64, PeerKey) {
+        let mut bytes = [0u8; 20];
+        bytes[..4].copy_from_slice(&self.stage.to_le_bytes());
+        bytes[4..12].copy_from_slice(&self.index.to_le_bytes());
+        bytes[12..].copy_from_slice(&peer.0.to_le_bytes());
+        (xxhash_rust::xxh3::xxh3_64(&bytes), peer)
+    }
+
+    /// The first of `peers` in rank order: the leader among them.
+    pub fn leader(&self, peers: impl IntoIterator<Item = PeerKey>) -> Option<PeerKey> {
+        peers.into_iter().min_by_key(|p| self.rank(*p))
+    }
+}
+
 /// Messages of an averaging round.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum RoundMsg {
@@ -158,7 +184,7 @@ pub enum RoundMsg {
     Join,
     /// From the leader: the group, in part order.
     Start {
-        /// Members; member i owns part i.
+        /// Members in rank order ([`RoundKey::rank`]); member i owns part i.
         group: Vec<PeerKey>,
     },
     /// A member's share of one part, to that part's owner.

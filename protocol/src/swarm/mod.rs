@@ -42,6 +42,7 @@
 //! jobs), in order. The compute interface with the owner is in `interface.rs`.
 
 mod agreement;
+pub mod attack;
 pub mod averaging;
 pub mod bans;
 pub mod config;

@@ -17,9 +17,9 @@ pub(super) struct Outbox {
     pub jobs: Scheduler,
     /// Protocol violations reported so far.
     pub violations: u64,
-    /// How much each member's shares supported the rounds this peer reduced a part of, not
-    /// yet judged (see [`super::bans`]).
-    pub support: Vec<(PeerKey, super::robust::Support)>,
+    /// What this peer's rounds showed of the other members, not yet judged (see
+    /// [`super::bans`]).
+    pub evidence: Vec<super::bans::Evidence>,
 }
 
 impl Outbox {
@@ -30,7 +30,7 @@ impl Outbox {
             actions: VecDeque::new(),
             jobs: Scheduler::default(),
             violations: 0,
-            support: Vec::new(),
+            evidence: Vec::new(),
         }
     }
 

@@ -11,6 +11,7 @@
 //! from (one generator, so that a seed fixes every choice). The microbatch path is in `peer/microbatch.rs`.
 
 use super::agreement::Resync;
+use super::attack::Attack;
 use super::bans::{self, Ban, Bans};
 use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
 use super::coordinator::{Settings, StepCoordinator};
@@ -53,6 +54,8 @@ pub struct Peer {
     steps: StepCoordinator,
     exports: StateExports,
     bans: Bans,
+    /// Scripted misbehaviour (tests and the simulator only; honest by default).
+    attack: Option<Attack>,
     finish_reported: bool,
     out: Outbox,
 }
@@ -90,6 +93,7 @@ impl Peer {
             steps: StepCoordinator::new(settings, config.codecs.averaging, now),
             exports: StateExports::new(timing.transfer_timeout),
             bans: Bans::default(),
+            attack: None,
             finish_reported: false,
             out: Outbox::new(me),
             config,
@@ -131,6 +135,12 @@ impl Peer {
     /// uniform baseline).
     pub fn set_routing(&mut self, routing: Routing) {
         self.routing = routing;
+    }
+
+    /// Makes this peer misbehave as `attack` says, to test the others' defences (the
+    /// simulator's `behavior`, the node's test-only `--behavior`).
+    pub fn set_attack(&mut self, attack: Attack) {
+        self.attack = attack.is_attacker().then_some(attack);
     }
 
     /// This peer's key.
@@ -302,12 +312,15 @@ impl Peer {
     }
 
     fn after(&mut self, now: Duration) {
+        if let Some(a) = &self.attack {
+            self.steps.forge_parts(a.forges_parts(now));
+        }
         let stage = self.role.serving();
         self.steps
             .drain_round(&mut self.out, stage, &self.members, now);
-        if !self.out.support.is_empty() {
-            let support = std::mem::take(&mut self.out.support);
-            for peer in self.bans.observe(&support) {
+        if !self.out.evidence.is_empty() {
+            let evidence = std::mem::take(&mut self.out.evidence);
+            for peer in self.bans.observe(&evidence) {
                 self.judge(peer, now);
             }
         }
@@ -510,7 +523,13 @@ impl Peer {
                 targets,
             } => self.on_forward_done(id, output, targets, now),
             ComputeDone::Backward { id, grad } => self.on_backward_done(id, grad, now),
-            ComputeDone::Gradient { values, samples } => {
+            ComputeDone::Gradient {
+                mut values,
+                samples,
+            } => {
+                if let Some(a) = self.attack.as_mut() {
+                    a.contribution(&mut values, now);
+                }
                 if self.steps.on_gradient(values, samples, now) {
                     self.send_progress();
                 }
@@ -581,11 +600,12 @@ impl Peer {
     }
 
     fn on_announce(&mut self, from: PeerKey, via: Option<PeerKey>, a: Announcement, now: Duration) {
-        // No honest peer counts steps or rounds past the run's last step, or measures a
-        // throughput that is not a number; such values would only feed arithmetic and
-        // placement decisions.
+        // No honest peer counts rounds past the run's last step (nor steps, in allreduce
+        // mode: a DiLoCo replica goes on with local steps while its round is retried), or
+        // measures a throughput that is not a number; such values would only feed arithmetic
+        // and placement decisions.
         let in_range = a.stage.is_none_or(|s| s < self.config.stages)
-            && a.step <= self.config.max_steps
+            && (a.step <= self.config.max_steps || !self.allreduce())
             && a.round <= self.config.max_steps
             && a.throughput.is_finite()
             && a.throughput >= 0.0

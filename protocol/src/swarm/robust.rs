@@ -65,6 +65,33 @@ const ITERATIONS: usize = 3;
 /// A weight is at most this many times the median claimed sample count.
 pub const WEIGHT_CAP: f64 = 1.0;
 
+/// How well an averaged part agrees with one member's own share of it (`own`, a sum over
+/// `samples`): the share's per-sample component along the part, over the part's own length.
+/// About 1 for an honestly reduced part, whatever the signal-to-noise ratio: the part contains
+/// the share itself, so the share's noise adds as much to the numerator as the members' noise
+/// adds to the denominator, and the common signal adds alike to both. A negated part gives
+/// about -1, a part scaled by F about 1/F, a zeroed or unrelated one about 0. None when the
+/// share carries nothing to compare (no samples, all zero).
+pub fn agreement(own: &[f32], samples: f64, part: &[f32]) -> Option<f64> {
+    if samples <= 0.0 || own.len() != part.len() {
+        return None;
+    }
+    let (mut along, mut own_sq, mut part_sq) = (0.0f64, 0.0f64, 0.0f64);
+    for (o, p) in own.iter().zip(part) {
+        let (o, p) = (f64::from(*o), f64::from(*p));
+        along += o * p;
+        own_sq += o * o;
+        part_sq += p * p;
+    }
+    if own_sq == 0.0 || !own_sq.is_finite() {
+        return None;
+    }
+    if part_sq == 0.0 {
+        return Some(0.0);
+    }
+    Some(along / samples / part_sq)
+}
+
 /// The centered-clipping mean of `shares`; shares with no samples or no values count as absent.
 pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
     let present: Vec<usize> = (0..shares.len())
@@ -286,6 +313,42 @@ pub(crate) mod tests {
     fn error(mean: &[f32]) -> f64 {
         let len = mean.len() as f64;
         (mean.iter().map(|v| (*v as f64 - 1.0).powi(2)).sum::<f64>() / len).sqrt()
+    }
+
+    /// An honestly reduced part agrees with each member's share about 1 at any signal-to-noise
+    /// ratio (members of equal weight); negated, scaled and zeroed parts do not.
+    #[test]
+    fn averaged_parts_are_judged_by_the_members_own_shares() {
+        let len = 4_000;
+        for (signal, lo, hi) in [(0.0, 0.7, 1.3), (0.1, 0.8, 1.2), (1.0, 0.97, 1.03)] {
+            let mut rng = SeededRng::new(5);
+            let g: Vec<f64> = (0..len).map(|_| signal * gaussian(&mut rng)).collect();
+            let sums: Vec<Vec<f32>> = (0..6)
+                .map(|_| {
+                    (0..len)
+                        .map(|c| (16.0 * g[c] + 4.0 * gaussian(&mut rng)) as f32)
+                        .collect()
+                })
+                .collect();
+            let part = shares(&sums, &[16.0; 6]).mean;
+            for own in &sums {
+                let honest = agreement(own, 16.0, &part).unwrap();
+                assert!((lo..hi).contains(&honest), "signal {signal}: {honest}");
+                let negated: Vec<f32> = part.iter().map(|v| -v).collect();
+                let flipped = agreement(own, 16.0, &negated).unwrap();
+                assert!((flipped + honest).abs() < 1e-9);
+                let scaled: Vec<f32> = part.iter().map(|v| 10.0 * v).collect();
+                let shrunk = agreement(own, 16.0, &scaled).unwrap();
+                assert!((shrunk - honest / 10.0).abs() < 1e-6);
+                assert_eq!(agreement(own, 16.0, &vec![0.0; len]), Some(0.0));
+            }
+        }
+        assert_eq!(
+            agreement(&[0.0; 4], 1.0, &[1.0; 4]),
+            None,
+            "nothing to compare"
+        );
+        assert_eq!(agreement(&[1.0; 4], 0.0, &[1.0; 4]), None, "no samples");
     }
 
     #[test]

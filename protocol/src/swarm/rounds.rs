@@ -1,8 +1,8 @@
 //! Which averaging round a replica is in: starting one, joining one that another replica
 //! started, and keeping invitations that arrive before this replica is ready.
 //!
-//! One [`Round`] runs the exchange itself; this part decides who leads (the smallest key
-//! among the replicas a member knows), answers the messages of the round that just finished
+//! One [`Round`] runs the exchange itself; this part decides who leads (the first of the
+//! replicas a member knows in the round's rank order, [`RoundKey::rank`]), answers the messages of the round that just finished
 //! (a slower member may still ask for parts), and joins the round another replica started
 //! before this one noticed the step was complete.
 
@@ -31,6 +31,13 @@ pub(super) struct Rounds {
     early_joins: Vec<(RoundKey, PeerKey)>,
     /// The leader of the round this replica follows was seen serving the stage.
     leader_seen: bool,
+    /// Leaders whose start this replica waited for in vain, by round: passed over when the
+    /// round is tried again (they may still take part as members). Every follower of a
+    /// leader that withholds its start times out alike, so they pass over the same one.
+    passed_over: Vec<(RoundKey, PeerKey)>,
+    /// Scripted misbehaviour (see [`super::attack`]): rounds started from now on negate the
+    /// part this replica owns.
+    pub forge_parts: bool,
 }
 
 impl Rounds {
@@ -44,6 +51,8 @@ impl Rounds {
             last: None,
             early_joins: Vec::new(),
             leader_seen: false,
+            passed_over: Vec::new(),
+            forge_parts: false,
         }
     }
 
@@ -63,16 +72,27 @@ impl Rounds {
         self.current.as_ref().and_then(Round::deadline)
     }
 
-    /// Starts round `key` with the replicas this one knows of (`others`), led by the smallest
-    /// key. A leader takes in the joins that came early.
+    /// The first of `peers` in `key`'s rank order that was not passed over in that round.
+    fn leader(&self, key: RoundKey, peers: impl IntoIterator<Item = PeerKey>) -> Option<PeerKey> {
+        key.leader(
+            peers
+                .into_iter()
+                .filter(|p| !self.passed_over.contains(&(key, *p))),
+        )
+    }
+
+    /// Whether `a` may lead `key` before `b` would.
+    fn precedes(&self, key: RoundKey, a: PeerKey, b: PeerKey) -> bool {
+        !self.passed_over.contains(&(key, a)) && key.rank(a) < key.rank(b)
+    }
+
+    /// Starts round `key` with the replicas this one knows of (`others`), led by the first in
+    /// rank order. A leader takes in the joins that came early.
     pub fn begin(&mut self, key: RoundKey, others: &[PeerKey], len: usize, now: Duration) {
-        let leader = others
-            .iter()
-            .copied()
-            .chain([self.me])
-            .min()
+        let leader = self
+            .leader(key, others.iter().copied().chain([self.me]))
             .unwrap_or(self.me);
-        let round = if leader == self.me {
+        let mut round = if leader == self.me {
             let mut r = Round::lead(key, self.me, others, len, self.codec, self.timing, now);
             for (k, from) in std::mem::take(&mut self.early_joins) {
                 if k == key {
@@ -83,32 +103,27 @@ impl Rounds {
         } else {
             Round::follow(key, self.me, leader, len, self.codec, self.timing, now)
         };
+        round.forge_part = self.forge_parts;
         self.current = Some(round);
         self.leader_seen = false;
     }
 
     fn follow(&mut self, key: RoundKey, leader: PeerKey, len: usize, now: Duration) {
         self.leader_seen = false;
-        self.current = Some(Round::follow(
-            key,
-            self.me,
-            leader,
-            len,
-            self.codec,
-            self.timing,
-            now,
-        ));
+        let mut round = Round::follow(key, self.me, leader, len, self.codec, self.timing, now);
+        round.forge_part = self.forge_parts;
+        self.current = Some(round);
     }
 
     /// Early joins: a replica that finished round `round - 1` sooner may already have invited
-    /// this one to round `round`. Follows the invitation of a leader with a smaller key, if
-    /// one came; returns whether it did. Invitations to rounds already past are forgotten.
+    /// this one to round `round`. Follows the invitation of a leader that ranks before this
+    /// replica, if one came; returns whether it did. Invitations to rounds already past are forgotten.
     pub fn follow_early_invitation(&mut self, key: RoundKey, len: usize, now: Duration) -> bool {
         self.early_joins.retain(|(k, _)| k.index >= key.index);
         let invite = self
             .early_joins
             .iter()
-            .find(|(k, from)| *k == key && *from < self.me)
+            .find(|(k, from)| *k == key && self.precedes(key, *from, self.me))
             .copied();
         let Some((key, from)) = invite else {
             return false;
@@ -123,8 +138,8 @@ impl Rounds {
     /// rounds and knows `replicas`. Messages of the current or the last round go to it; a
     /// join of the next round is kept for later; a message of this replica's next round that
     /// another replica started first makes it join that round: following the sender if it
-    /// is the leader (a join from a smaller key, a start), leading if this one has the
-    /// smallest key, following the smallest key it knows otherwise (a part that arrives
+    /// is the leader (a join from one that ranks before it, a start), leading if this one
+    /// ranks first, following the first in rank order it knows otherwise (a part that arrives
     /// before the start). A replica that is finished takes part in no new round.
     #[allow(clippy::too_many_arguments)]
     pub fn on_message(
@@ -167,16 +182,18 @@ impl Rounds {
                 if !others.contains(&from) {
                     others.push(from);
                 }
-                let leader = others.iter().copied().chain([self.me]).min();
+                let leader = self.leader(key, others.iter().copied().chain([self.me]));
                 if leader == Some(self.me) {
                     self.begin(key, &others, len, now);
                     if let Some(r) = self.current.as_mut() {
                         r.handle(from, RoundMsg::Join, now);
                     }
-                } else if from < self.me {
+                } else if self.precedes(key, from, self.me) {
                     self.follow(key, from, len, now);
                 }
             }
+            // A leader passed over started late: the others have moved on without it.
+            RoundMsg::Start { .. } if self.passed_over.contains(&(key, from)) => {}
             RoundMsg::Start { .. } => {
                 self.follow(key, from, len, now);
                 if let Some(r) = self.current.as_mut() {
@@ -187,11 +204,8 @@ impl Rounds {
                 }
             }
             RoundMsg::Part { .. } | RoundMsg::Averaged { .. } => {
-                let leader = replicas
-                    .iter()
-                    .copied()
-                    .chain([self.me])
-                    .min()
+                let leader = self
+                    .leader(key, replicas.iter().copied().chain([self.me]))
                     .unwrap_or(from);
                 self.follow(key, leader, len, now);
                 if let Some(r) = self.current.as_mut() {
@@ -259,9 +273,19 @@ impl Rounds {
         }
     }
 
-    /// The current round failed for this replica.
+    /// The current round failed for this replica. A leader that never started it is passed
+    /// over when it is tried again.
     pub fn fail(&mut self) {
-        self.current = None;
+        let Some(r) = self.current.take() else {
+            return;
+        };
+        let key = r.key();
+        self.passed_over.retain(|(k, _)| k.index >= key.index);
+        if let Some(leader) = r.withheld_by()
+            && self.passed_over.len() < MAX_EARLY_JOINS
+        {
+            self.passed_over.push((key, leader));
+        }
     }
 
     /// The current round's result is applied: it stays to answer slower members.
@@ -338,51 +362,119 @@ mod tests {
     }
 
     #[test]
-    fn the_smallest_key_leads_and_invites_the_others() {
-        let mut r = rounds(2);
-        r.begin(key(0), &[PeerKey(3), PeerKey(4)], 8, Duration::ZERO);
+    fn the_first_in_rank_order_leads_and_invites_the_others() {
+        // Round 0 of stage 1 ranks peers 1 to 6 as 1, 6, 4, 2, 3, 5; round 1 as 3, 2, 6,
+        // 4, 5, 1: who leads changes from round to round, whatever the keys.
+        let order = |index: u64| {
+            let mut v: Vec<u64> = (1..=6).collect();
+            v.sort_by_key(|p| key(index).rank(PeerKey(*p)));
+            v
+        };
+        assert_eq!(order(0), [1, 6, 4, 2, 3, 5]);
+        assert_eq!(order(1), [3, 2, 6, 4, 5, 1]);
+        let mut r = rounds(4);
+        r.begin(key(0), &[PeerKey(2), PeerKey(3)], 8, Duration::ZERO);
         assert_eq!(
             sent(&mut r),
-            [(PeerKey(3), RoundMsg::Join), (PeerKey(4), RoundMsg::Join)]
+            [(PeerKey(2), RoundMsg::Join), (PeerKey(3), RoundMsg::Join)]
         );
         let mut r = rounds(3);
         r.begin(key(0), &[PeerKey(2), PeerKey(4)], 8, Duration::ZERO);
-        assert_eq!(sent(&mut r), [(PeerKey(2), RoundMsg::Join)], "follows 2");
+        assert_eq!(sent(&mut r), [(PeerKey(4), RoundMsg::Join)], "follows 4");
+        let mut r = rounds(4);
+        r.begin(key(1), &[PeerKey(2), PeerKey(3)], 8, Duration::ZERO);
+        assert_eq!(sent(&mut r), [(PeerKey(3), RoundMsg::Join)], "follows 3");
+    }
+
+    /// A leader that never starts its round (it withholds, or it is gone without its
+    /// connection closing) is passed over when the round is tried again: the stage is not
+    /// held by whoever ranks first.
+    #[test]
+    fn a_leader_that_never_starts_its_round_is_passed_over() {
+        let mut out = Outbox::new(PeerKey(3));
+        let mut r = rounds(3);
+        // Among 1, 3 and 5, peer 1 leads round 0 of stage 1.
+        r.begin(key(0), &[PeerKey(1), PeerKey(5)], 8, Duration::ZERO);
+        assert_eq!(sent(&mut r), [(PeerKey(1), RoundMsg::Join)]);
+        r.handle_timeout(Duration::from_secs(600));
+        assert!(matches!(r.poll(), Some((_, RoundOut::Failed(_)))));
+        r.fail();
+        // Tried again: 3 ranks first among those left, so it leads and invites both.
+        r.begin(
+            key(0),
+            &[PeerKey(1), PeerKey(5)],
+            8,
+            Duration::from_secs(601),
+        );
+        assert_eq!(
+            sent(&mut r),
+            [(PeerKey(1), RoundMsg::Join), (PeerKey(5), RoundMsg::Join)]
+        );
+        // A late start from the passed-over leader is not followed by a replica between
+        // rounds, and its join makes it a member, not the leader.
+        let mut r2 = rounds(5);
+        r2.begin(key(0), &[PeerKey(1), PeerKey(3)], 8, Duration::ZERO);
+        sent(&mut r2);
+        r2.handle_timeout(Duration::from_secs(600));
+        r2.poll();
+        r2.fail();
+        let start = RoundMsg::Start {
+            group: vec![PeerKey(1), PeerKey(5)],
+        };
+        hear(
+            &mut r2,
+            &mut out,
+            1,
+            0,
+            start,
+            0,
+            false,
+            vec![PeerKey(1), PeerKey(3)],
+        );
+        assert!(!r2.active());
+        // The next round ranks anew: nobody is passed over there.
+        r2.begin(
+            key(1),
+            &[PeerKey(1), PeerKey(3)],
+            8,
+            Duration::from_secs(700),
+        );
+        assert_eq!(sent(&mut r2), [(PeerKey(3), RoundMsg::Join)]);
     }
 
     /// Early joins: a join of the next round that arrives while this replica still averages
     /// (or has not finished the step) is kept; the leader counts it in when it starts that
-    /// round, and a follower follows the invitation of a smaller key.
+    /// round, and a follower follows the invitation of one that ranks before it.
     #[test]
     fn a_join_that_comes_early_is_kept_for_the_next_round() {
-        let mut out = Outbox::new(PeerKey(2));
-        let mut r = rounds(2);
-        r.begin(key(0), &[PeerKey(3)], 8, Duration::ZERO);
+        let mut out = Outbox::new(PeerKey(3));
+        let mut r = rounds(3);
+        r.begin(key(0), &[PeerKey(5)], 8, Duration::ZERO);
         sent(&mut r);
         hear(
             &mut r,
             &mut out,
-            3,
+            5,
             1,
             RoundMsg::Join,
             0,
             false,
-            vec![PeerKey(3)],
+            vec![PeerKey(5)],
         );
         r.finish();
         // As leader of round 1 it starts at once: everyone it expects already joined.
-        r.begin(key(1), &[PeerKey(3)], 8, 2 * MS);
+        r.begin(key(1), &[PeerKey(5)], 8, 2 * MS);
         let start = sent(&mut r);
         assert!(
             start.contains(&(
-                PeerKey(3),
+                PeerKey(5),
                 RoundMsg::Start {
-                    group: vec![PeerKey(2), PeerKey(3)]
+                    group: vec![PeerKey(3), PeerKey(5)]
                 }
             )),
             "{start:?}"
         );
-        // A follower: the invitation of the smaller key to round 1 is followed.
+        // A follower: the invitation to round 1 of one that ranks before it is followed.
         let mut r = rounds(5);
         hear(
             &mut r,
@@ -451,17 +543,17 @@ mod tests {
         assert!(r.active());
         // The round then wants this replica's contribution.
         assert!(matches!(r.poll(), Some((_, RoundOut::NeedContribution))));
-        // A join from a larger key to a replica with the smallest: it leads.
+        // A join from one that ranks after this replica, which ranks first: it leads.
         let mut r = rounds(1);
         hear(
             &mut r,
             &mut out,
-            3,
+            5,
             2,
             RoundMsg::Join,
             2,
             false,
-            vec![PeerKey(3)],
+            vec![PeerKey(5)],
         );
         assert!(r.active());
         // A finished replica joins nothing; a request for a round it does not have is

@@ -1,0 +1,115 @@
+//! Well-formed lies with real processes: `shoal run` peers built with the test-only `attacks`
+//! feature misbehave (`--behavior`) in a swarm of honest ones on loopback. The honest peers
+//! must ban them with evidence, end with identical parameters and train on.
+
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use serde_json::Value;
+use shoal_tests::{RunProcess, temp_dir};
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(600);
+
+/// Four processes each: the tests take turns on a small machine.
+static ONE_SWARM_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Five replicas of one stage, one of them attacking with `behavior` once the swarm has
+/// formed; returns the honest peers' reports and the attacker's peer id.
+fn swarm_with_an_attacker(behavior: &str) -> (Vec<Value>, String) {
+    let _turn = ONE_SWARM_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir(&format!("attack-{}", behavior.replace(':', "")));
+    let common = [
+        "--listen",
+        "/ip4/127.0.0.1/udp/0/quic-v1",
+        "--no-mdns",
+        "--threads",
+        "1",
+    ];
+    let start = |name: &str, extra: &[&str]| {
+        let args: Vec<&str> = common.iter().chain(extra).copied().collect();
+        RunProcess::start(&dir, name, &args)
+    };
+    let mut creator = start(
+        "p0",
+        &[
+            "--preset",
+            "nano",
+            "--global-batch",
+            "40",
+            "--microbatch",
+            "8",
+            "--max-steps",
+            "150",
+        ],
+    );
+    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
+    let words: Vec<&str> = join.split_whitespace().collect();
+    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1].to_owned();
+    let (run_id, boot) = (after("--run"), after("--bootstrap"));
+    let joiner = |extra: &[&str]| -> Vec<String> {
+        ["--run", &run_id, "--bootstrap", &boot]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect()
+    };
+    // The attacker joins first and turns once the swarm has formed and trained a little.
+    let args = joiner(&["--behavior", behavior, "--behavior-from", "6"]);
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut attacker = start("attacker", &refs);
+    let mut peers = vec![creator];
+    for i in 1..4 {
+        let args = joiner(&[]);
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        peers.push(start(&format!("p{i}"), &refs));
+    }
+    let id = attacker
+        .wait_line(LONG, |l| l.starts_with("shoal run"))
+        .rsplit(' ')
+        .next()
+        .unwrap()
+        .to_owned();
+    let reports: Vec<Value> = peers.iter_mut().map(|p| p.finish(LONG)).collect();
+    attacker.kill();
+    (reports, id)
+}
+
+/// Every honest peer banned the attacker, none banned an honest one, and the honest replicas
+/// agree and learned.
+fn defended(reports: &[Value], attacker: &str, why: &str) {
+    let mut hashes = BTreeSet::new();
+    for r in reports {
+        let banned: Vec<(&str, &str)> = r["banned"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| (b[0].as_str().unwrap(), b[1].as_str().unwrap()))
+            .collect();
+        assert_eq!(banned.len(), 1, "only the attacker is banned: {banned:?}");
+        assert_eq!(banned[0].0, attacker, "{banned:?}");
+        assert!(banned[0].1.contains(why), "{banned:?}");
+        hashes.insert(r["params_hash"].as_str().unwrap_or("none").to_owned());
+        assert_eq!(r["violations"], 0, "a well-formed lie breaks no rule: {r}");
+    }
+    assert_eq!(hashes.len(), 1, "honest replicas differ: {hashes:?}");
+    let r = &reports[0];
+    let first = r["loss_curve"][0][1].as_f64().unwrap();
+    let last = r["final_loss"].as_f64().unwrap();
+    eprintln!("attacker {attacker} banned by all; loss {first:.3} -> {last:.3}");
+    assert!(last < first - 1.0, "the loss fell: {first} -> {last}");
+}
+
+#[test]
+fn a_peer_sending_flipped_gradients_is_banned_by_every_honest_peer() {
+    let (reports, attacker) = swarm_with_an_attacker("sign-flip");
+    defended(&reports, &attacker, "opposed the stage");
+}
+
+#[test]
+fn a_peer_corrupting_the_part_it_averages_is_banned_by_every_honest_peer() {
+    let (reports, attacker) = swarm_with_an_attacker("bad-part");
+    defended(&reports, &attacker, "averaged parts");
+}
