@@ -29,5 +29,5 @@ pub use data::{Batch, Corpus, DataError, DataLoader, Shard};
 pub use file::write_atomic;
 pub use optim::{AdamW, LrSchedule};
 pub use pipeline::{Coupling, LocalPipeline, StepStats, Transit};
-pub use replica::{ReplicaError, StageReplica, exported_state_len};
+pub use replica::{ReplicaError, StageReplica, exported_state_len, poisoned_state};
 pub use stage::{MicrobatchId, Stage, StageError, StageSpec};

@@ -510,6 +510,28 @@ pub fn exported_state_len(params: usize, outer_momentum: bool) -> usize {
 }
 
 /// Size of an exported state with `sections` parameter-sized sections of `n` values.
+/// A state written by [`StageReplica::export_state`] with its parameters negated and its
+/// checksum made valid again: well-formed and wrong, what a malicious peer could serve a
+/// joiner (for the attack tests; see `shoal_protocol::swarm::attack`). `None` if `bytes` is
+/// not such a state.
+pub fn poisoned_state(bytes: &[u8]) -> Option<Vec<u8>> {
+    let n_at = STATE_HEADER_LEN - 8;
+    let n = u64::from_le_bytes(bytes.get(n_at..STATE_HEADER_LEN)?.try_into().ok()?) as usize;
+    let params_end = STATE_HEADER_LEN.checked_add(n.checked_mul(4)?)?;
+    if bytes.len() < params_end + STATE_TRAILER_LEN {
+        return None;
+    }
+    let mut out = bytes.to_vec();
+    for x in out[STATE_HEADER_LEN..params_end].chunks_exact_mut(4) {
+        let v = -f32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+        x.copy_from_slice(&v.to_le_bytes());
+    }
+    let body = out.len() - STATE_TRAILER_LEN;
+    let checksum = xxh3_64(&out[..body]);
+    out[body..].copy_from_slice(&checksum.to_le_bytes());
+    Some(out)
+}
+
 fn state_len(n: usize, sections: usize) -> usize {
     STATE_HEADER_LEN + sections * 4 * n + STATE_TRAILER_LEN
 }

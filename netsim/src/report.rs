@@ -60,6 +60,9 @@ pub struct Report {
     pub double_commits: u64,
     /// Replicas that re-synced after a parameter hash disagreement.
     pub resyncs: u64,
+    /// State transfers refused by their receivers: the state differed from the parameters
+    /// more than half of its stage announce (a poisoned state).
+    pub refused_states: u64,
     /// Protocol violations the peers reported (0 where every simulated peer is honest).
     pub violations: u64,
     /// Peers that attack at some point (numbered in the order they joined).
@@ -170,6 +173,9 @@ impl Report {
             ),
         );
         row(&mut out, "re-syncs", self.resyncs.to_string());
+        if self.refused_states > 0 {
+            row(&mut out, "states refused", self.refused_states.to_string());
+        }
         row(&mut out, "violations", self.violations.to_string());
         if !self.banned.is_empty() || self.false_bans > 0 {
             let bans: Vec<String> = self

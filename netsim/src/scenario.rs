@@ -105,7 +105,7 @@ pub struct PeerGroup {
     /// The stage they take first (default: the one the run needs most when they choose),
     /// e.g. to start a swarm badly balanced; rebalancing may move them later.
     pub stage: Option<u32>,
-    /// How they behave: `honest` (default) or an attack (see [`Behavior`]: sign-flip, scale:F, noise:SIGMA, zero, nan, bad-part).
+    /// How they behave: `honest` (default) or an attack (see [`Behavior`]).
     #[serde(default)]
     pub behavior: Option<String>,
     /// Honest until then, simulated seconds.

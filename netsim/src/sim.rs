@@ -49,6 +49,23 @@ enum Worker {
 }
 
 impl Worker {
+    /// A state this worker exported, made well-formed and wrong (a scripted attacker's).
+    fn poison(&self, bytes: &mut Vec<u8>) {
+        match self {
+            Worker::Real(_) => {
+                if let Some(p) = shoal_compute::poisoned_state(bytes) {
+                    *bytes = p;
+                }
+            }
+            // A modelled state is its parameters' hash: another hash is other parameters.
+            Worker::Modelled(_) => {
+                if let Some(h) = bytes.get_mut(8..16) {
+                    h.iter_mut().for_each(|b| *b ^= 0x5a);
+                }
+            }
+        }
+    }
+
     fn run(&mut self, job: Job) -> ComputeDone {
         match self {
             Worker::Real(w) => w.run(job),
@@ -214,6 +231,8 @@ pub struct Sim {
     committed: BTreeSet<(u32, u64)>,
     double_commits: u64,
     resyncs: u64,
+    /// States refused by their receivers (they differed from the stage's parameters).
+    refused_states: u64,
     violations: u64,
     /// `[sim_s, peer, reason]`: the first ban of each peer by an honest peer.
     banned: Vec<(f64, usize, String)>,
@@ -256,6 +275,7 @@ impl Sim {
             committed: BTreeSet::new(),
             double_commits: 0,
             resyncs: 0,
+            refused_states: 0,
             violations: 0,
             banned: Vec::new(),
             pending: Vec::new(),
@@ -381,8 +401,13 @@ impl Sim {
                     self.after(peer);
                 }
             }
-            Ev::Computed { peer, done } => {
+            Ev::Computed { peer, mut done } => {
                 if self.peers[peer].alive() {
+                    if let ComputeDone::State { bytes, .. } = &mut done
+                        && self.peers[peer].machine.poisons_state()
+                    {
+                        self.peers[peer].worker.poison(bytes);
+                    }
                     self.peers[peer].machine.handle_compute_done(done, now);
                     self.after(peer);
                 }
@@ -700,6 +725,7 @@ impl Sim {
                 }
             }
             Event::Resync { .. } => self.resyncs += 1,
+            Event::StateRefused { .. } => self.refused_states += 1,
             Event::Violation { .. } => self.violations += 1,
             Event::Banned { peer, why, .. } if !self.peers[i].attacker() => {
                 // The first honest peer to ban it; an attacker's bans are its own affair.
@@ -873,6 +899,7 @@ impl Sim {
             microbatches_retried: retried,
             double_commits: self.double_commits,
             resyncs: self.resyncs,
+            refused_states: self.refused_states,
             violations: self.violations,
             attackers,
             banned: self.banned,

@@ -550,7 +550,17 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     Err(e) => tracing::warn!(peer = %frame.peer, "bad message: {e}"),
                 }
             }
-            Some(done) = done_rx.recv() => peer.handle_compute_done(done, now()),
+            Some(done) = done_rx.recv() => {
+                #[cfg(feature = "attacks")]
+                let done = match done {
+                    ComputeDone::State { to, bytes } if peer.poisons_state() => {
+                        let bytes = shoal_compute::poisoned_state(&bytes).unwrap_or(bytes);
+                        ComputeDone::State { to, bytes }
+                    }
+                    other => other,
+                };
+                peer.handle_compute_done(done, now())
+            }
             Some(k) = failed_rx.recv() => peer.handle_send_failed(k, now()),
             Some((traffic, bytes)) = sent_rx.recv() => {
                 *tally.bytes_sent.entry(traffic).or_default() += bytes;
@@ -766,6 +776,9 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
         } => tracing::warn!("round {round}: {left_out} member(s) left out, {zeroed} part(s) lost"),
         Event::RoundFailed { round, reason } => tracing::info!("round {round}: {reason}"),
         Event::Resync { from, reason } => println!("re-syncing from {from}: {reason}"),
+        Event::StateRefused { from } => println!(
+            "refused the state from {from}: its parameters differ from its stage's; asking another replica"
+        ),
         Event::Moving { from, to } => println!("moving from stage {from} to stage {to}"),
         Event::Dropped { microbatch } => tracing::info!("microbatch {microbatch} dropped"),
         Event::Finished => {

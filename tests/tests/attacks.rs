@@ -113,3 +113,75 @@ fn a_peer_corrupting_the_part_it_averages_is_banned_by_every_honest_peer() {
     let (reports, attacker) = swarm_with_an_attacker("bad-part");
     defended(&reports, &attacker, "averaged parts");
 }
+
+/// A replica that serves joiners a well-formed state with its parameters negated (its hash
+/// matching the bytes it sends): a joiner that downloads from it refuses the state, as its
+/// parameters differ from those the rest of the stage announces, and downloads another
+/// replica's. Joiners pick their source at random, so they are started one at a time until
+/// one has picked the attacker (each does with probability 1/2).
+#[test]
+fn a_poisoned_state_is_refused_by_the_joiner_that_downloads_it() {
+    let _turn = ONE_SWARM_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("attack-poison-state");
+    let common = [
+        "--listen",
+        "/ip4/127.0.0.1/udp/0/quic-v1",
+        "--no-mdns",
+        "--threads",
+        "1",
+    ];
+    let start = |name: &str, extra: &[&str]| {
+        let args: Vec<&str> = common.iter().chain(extra).copied().collect();
+        RunProcess::start(&dir, name, &args)
+    };
+    let mut creator = start(
+        "p0",
+        &[
+            "--preset",
+            "nano",
+            "--global-batch",
+            "16",
+            "--microbatch",
+            "8",
+            "--max-steps",
+            "600",
+        ],
+    );
+    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
+    let words: Vec<&str> = join.split_whitespace().collect();
+    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1].to_owned();
+    let (run_id, boot) = (after("--run"), after("--bootstrap"));
+    let joining = ["--run", run_id.as_str(), "--bootstrap", boot.as_str()];
+    let attacker_args: Vec<&str> = joining
+        .iter()
+        .copied()
+        .chain(["--behavior", "poison-state"])
+        .collect();
+    let mut attacker = start("attacker", &attacker_args);
+    attacker.wait_line(LONG, |l| l.starts_with("serving stage"));
+    let mut refused = None;
+    for i in 1..=10 {
+        let mut joiner = start(&format!("j{i}"), &joining);
+        joiner.wait_line(LONG, |l| l.starts_with("serving stage"));
+        if joiner
+            .seen
+            .iter()
+            .any(|l| l.starts_with("refused the state"))
+        {
+            refused = Some(joiner);
+            break;
+        }
+        joiner.kill();
+    }
+    let mut joiner = refused.expect("a joiner picked the attacker in 10 tries (1 in 1024 fails)");
+    let reports = [creator.finish(LONG), joiner.finish(LONG)];
+    attacker.kill();
+    assert_eq!(
+        reports[0]["params_hash"], reports[1]["params_hash"],
+        "the joiner ends on the honest parameters"
+    );
+    let last = reports[1]["final_loss"].as_f64().unwrap();
+    assert!(last < 3.0, "it trained on: final loss {last}");
+}

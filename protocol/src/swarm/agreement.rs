@@ -200,6 +200,30 @@ impl CatchUp {
     }
 }
 
+/// The parameter hash more than half of the serving replicas of `stage` announce for
+/// `round`, if there is one.
+pub(super) fn majority_hash(members: &Membership, stage: u32, round: u64) -> Option<u64> {
+    let mut serving = 0;
+    let mut votes: Vec<(u64, usize)> = Vec::new();
+    for (_, m) in members.iter() {
+        let a = &m.announcement;
+        if a.state != MemberState::Serving || a.stage != Some(stage) {
+            continue;
+        }
+        serving += 1;
+        if let Some(h) = a.params_hash.filter(|_| a.round == round) {
+            match votes.iter_mut().find(|(v, _)| *v == h) {
+                Some((_, n)) => *n += 1,
+                None => votes.push((h, 1)),
+            }
+        }
+    }
+    votes
+        .into_iter()
+        .find(|(_, n)| 2 * n > serving)
+        .map(|(h, _)| h)
+}
+
 /// The hash vote, seen from a replica at `round` of `stage` whose parameters hash to `mine`
 /// when `from` announces `theirs` for the same round: this replica loses if fewer serving
 /// replicas at this round hold its hash than the other (itself counted), or as many, every

@@ -48,6 +48,8 @@ pub enum RoundOut {
     /// A member sent what no honest member sends (see [`super::Event::Violation`]); it
     /// changed nothing.
     Violation(PeerKey, &'static str),
+    /// What the round showed of a member when it failed (see [`super::bans`]).
+    Evidence(Evidence),
 }
 
 /// The outcome of a round.
@@ -100,7 +102,8 @@ pub struct Round {
     phase: Phase,
     /// The leader this member follows (None: it leads).
     leader: Option<PeerKey>,
-    /// The leader whose start never came (the round failed waiting for it).
+    /// The leader whose start never came, or left this member out (the round failed for
+    /// that).
     withheld_by: Option<PeerKey>,
     expected: BTreeSet<PeerKey>,
     joined: BTreeSet<PeerKey>,
@@ -120,8 +123,10 @@ pub struct Round {
     evidence: Vec<Evidence>,
     /// This member's contribution (a sum over `own_samples`), to check averaged parts by.
     own: Vec<f32>,
-    /// Scripted misbehaviour: negate the part this member owns.
+    /// Scripted misbehaviour: negate the part this member owns; leading, leave the others
+    /// out.
     pub(super) forge_part: bool,
+    pub(super) exclude_others: bool,
     missing_answers: BTreeMap<u32, BTreeSet<PeerKey>>,
     started: Duration,
     deadline: Option<Duration>,
@@ -168,6 +173,7 @@ impl Round {
             evidence: Vec::new(),
             own: Vec::new(),
             forge_part: false,
+            exclude_others: false,
             missing_answers: BTreeMap::new(),
             started: now,
             deadline: None,
@@ -272,7 +278,11 @@ impl Round {
         self.group = self.joined.iter().copied().collect();
         let key = self.key;
         self.group.sort_by_key(|k| key.rank(*k));
-        for &k in &self.group {
+        let joined = self.group.clone();
+        if self.exclude_others {
+            self.group = vec![self.me];
+        }
+        for &k in &joined {
             if k != self.me {
                 self.out.push_back(RoundOut::Send(
                     k,
@@ -388,9 +398,18 @@ impl Round {
                     return;
                 }
                 if !group.contains(&self.me) {
+                    // Passed over when the round is tried again, like a leader that never
+                    // starts: a leader that leaves its followers out would otherwise lead
+                    // every retry of the round.
+                    self.withheld_by = self.leader;
+                    self.misled();
                     self.fail("the round's group left this replica out");
                     return;
                 }
+                self.evidence.push(Evidence::Led {
+                    peer: from,
+                    included: true,
+                });
                 self.group = group;
                 self.begin(now);
             }
@@ -631,12 +650,24 @@ impl Round {
                 None => averaged.extend(std::iter::repeat_n(0.0, self.range(j).len())),
             }
         }
-        let left_out = self
+        let left_out: Vec<PeerKey> = self
             .group
             .iter()
             .copied()
             .filter(|k| !self.shares.contains_key(k))
             .collect();
+        // Who delivered: each member's share to this member's part, and each owner's part
+        // (one nobody could deliver was withheld by its owner).
+        for (j, &peer) in self.group.iter().enumerate() {
+            if peer != self.me {
+                let share = !left_out.contains(&peer);
+                let part = !zeroed.contains(&(j as u32));
+                self.evidence.push(Evidence::Delivered {
+                    peer,
+                    delivered: share && part,
+                });
+            }
+        }
         let samples = self
             .my_index()
             .and_then(|m| self.encoded.get(&(m as u32)).map(|e| e.0))
@@ -652,6 +683,16 @@ impl Round {
             zeroed,
             evidence: std::mem::take(&mut self.evidence),
         }));
+    }
+
+    /// The leader this member followed did not start the round with it.
+    fn misled(&mut self) {
+        if let Some(peer) = self.leader {
+            self.out.push_back(RoundOut::Evidence(Evidence::Led {
+                peer,
+                included: false,
+            }));
+        }
     }
 
     fn fail(&mut self, why: &'static str) {
@@ -694,6 +735,7 @@ impl Round {
             Phase::Gathering => self.maybe_start(now, true),
             Phase::AwaitStart => {
                 self.withheld_by = self.leader;
+                self.misled();
                 self.fail("no start from the round's leader");
             }
             Phase::Exchanging if !self.owned_done => {
@@ -817,7 +859,7 @@ mod tests {
                             }
                         }
                         RoundOut::Finished(r) => results[i] = Some(r.averaged),
-                        RoundOut::Failed(_) => {}
+                        RoundOut::Failed(_) | RoundOut::Evidence(_) => {}
                         RoundOut::Violation(from, what) => {
                             panic!("honest member {from:?} blamed: {what}")
                         }

@@ -55,6 +55,17 @@ pub const PART_LOW: f64 = 0.25;
 /// Above this mean agreement its parts were shrunk.
 pub const PART_HIGH: f64 = 4.0;
 
+/// Rounds of delivery a replica judges a member by: one that withheld its share or its part
+/// in each of the last [`DELIVERY_WINDOW`] rounds it was counted in (while it kept announcing
+/// itself as a replica) is accused. Each such round waited a full timeout for it, so the
+/// window is short; a replica that reaches its owners too late round after round is judged
+/// the same way (its work was lost to the stage anyway).
+pub const DELIVERY_WINDOW: usize = 3;
+
+/// Rounds a member led that a replica judges it by as a leader: one that never started, or
+/// left this replica out of, each of the last [`LED_WINDOW`] rounds it led is accused.
+pub const LED_WINDOW: usize = 2;
+
 /// Accusations one announcement may carry.
 pub const MAX_ACCUSATIONS: usize = 16;
 
@@ -79,6 +90,62 @@ pub enum Evidence {
         /// How well (about 1 when honest).
         agreement: f64,
     },
+    /// Whether the member's share reached the part this peer owns, and its averaged part
+    /// reached this peer, in time.
+    Delivered {
+        /// The member.
+        peer: PeerKey,
+        /// Delivered (false: withheld, or lost).
+        delivered: bool,
+    },
+    /// Whether a round the member led started with this peer in it.
+    Led {
+        /// The leader.
+        peer: PeerKey,
+        /// Started with this peer (false: it never started, or left this peer out).
+        included: bool,
+    },
+}
+
+/// What this peer saw of one member lately.
+#[derive(Debug, Default)]
+struct Record {
+    /// Support scores of its shares (last [`WINDOW`]).
+    shares: VecDeque<Support>,
+    /// Agreements of its averaged parts (last [`PART_WINDOW`]).
+    parts: VecDeque<f64>,
+    /// Whether it delivered (last [`DELIVERY_WINDOW`]).
+    delivered: VecDeque<bool>,
+    /// Whether the rounds it led included this peer (last [`LED_WINDOW`]).
+    led: VecDeque<bool>,
+}
+
+impl Record {
+    /// What full windows of it say.
+    fn verdict(&self) -> Option<Misconduct> {
+        let mean = |w: &VecDeque<f64>| w.iter().sum::<f64>() / w.len() as f64;
+        let shares = (self.shares.len() == WINDOW).then(|| {
+            let ratio = mean(&self.shares.iter().map(|s| s.ratio).collect());
+            let deviation = mean(&self.shares.iter().map(|s| s.deviation).collect());
+            if ratio < SUPPORT_LOW && deviation < -DEVIATION {
+                Some(Misconduct::OpposedTheStage)
+            } else if ratio > SUPPORT_HIGH && deviation > DEVIATION {
+                Some(Misconduct::DwarfedTheStage)
+            } else {
+                None
+            }
+        });
+        let parts = (self.parts.len() == PART_WINDOW)
+            .then(|| !(PART_LOW..=PART_HIGH).contains(&mean(&self.parts)))
+            .filter(|bad| *bad)
+            .map(|_| Misconduct::CorruptedParts);
+        let withheld = self.delivered.len() == DELIVERY_WINDOW && self.delivered.iter().all(|d| !d);
+        let misled = self.led.len() == LED_WINDOW && self.led.iter().all(|i| !i);
+        shares
+            .flatten()
+            .or(parts)
+            .or((withheld || misled).then_some(Misconduct::WithheldWork))
+    }
 }
 
 /// A ban, as decided by this peer.
@@ -97,10 +164,8 @@ pub struct Ban {
 /// One peer's evidence, accusations and bans.
 #[derive(Debug, Default)]
 pub struct Bans {
-    /// The last [`WINDOW`] support scores this peer saw of each member of its stage.
-    seen: BTreeMap<PeerKey, VecDeque<Support>>,
-    /// The last [`PART_WINDOW`] agreements of the averaged parts each member sent this peer.
-    parts: BTreeMap<PeerKey, VecDeque<f64>>,
+    /// What this peer saw of each member of its stage lately.
+    seen: BTreeMap<PeerKey, Record>,
     /// Whom this peer accuses (announced with every announcement).
     accusing: BTreeMap<PeerKey, Misconduct>,
     /// Banned peers (looked up on every message).
@@ -129,25 +194,34 @@ impl Bans {
         let mut changed = Vec::new();
         for e in evidence {
             let peer = match *e {
-                Evidence::Share { peer, support } => {
+                Evidence::Share { peer, .. }
+                | Evidence::Part { peer, .. }
+                | Evidence::Delivered { peer, .. }
+                | Evidence::Led { peer, .. } => peer,
+            };
+            let r = self.seen.entry(peer).or_default();
+            match *e {
+                Evidence::Share { support, .. } => {
                     if !(support.ratio.is_finite() && support.deviation.is_finite()) {
                         continue;
                     }
-                    remember(self.seen.entry(peer).or_default(), support, WINDOW);
-                    peer
+                    remember(&mut r.shares, support, WINDOW);
                 }
-                Evidence::Part { peer, agreement } => {
+                Evidence::Part { agreement, .. } => {
                     if !agreement.is_finite() {
                         continue;
                     }
-                    remember(self.parts.entry(peer).or_default(), agreement, PART_WINDOW);
-                    peer
+                    remember(&mut r.parts, agreement, PART_WINDOW);
                 }
-            };
+                Evidence::Delivered { delivered, .. } => {
+                    remember(&mut r.delivered, delivered, DELIVERY_WINDOW);
+                }
+                Evidence::Led { included, .. } => remember(&mut r.led, included, LED_WINDOW),
+            }
             if self.is_banned(peer) {
                 continue;
             }
-            let verdict = self.verdict(peer);
+            let verdict = self.seen.get(&peer).and_then(Record::verdict);
             let before = self.accusing.get(&peer).copied();
             match verdict {
                 Some(why) if before != Some(why) => {
@@ -169,34 +243,6 @@ impl Bans {
         changed
     }
 
-    /// What this peer's full windows of evidence say about `peer`.
-    fn verdict(&self, peer: PeerKey) -> Option<Misconduct> {
-        let shares = self
-            .seen
-            .get(&peer)
-            .filter(|w| w.len() == WINDOW)
-            .and_then(|w| {
-                let ratio = w.iter().map(|s| s.ratio).sum::<f64>() / WINDOW as f64;
-                let deviation = w.iter().map(|s| s.deviation).sum::<f64>() / WINDOW as f64;
-                if ratio < SUPPORT_LOW && deviation < -DEVIATION {
-                    Some(Misconduct::OpposedTheStage)
-                } else if ratio > SUPPORT_HIGH && deviation > DEVIATION {
-                    Some(Misconduct::DwarfedTheStage)
-                } else {
-                    None
-                }
-            });
-        let parts = self
-            .parts
-            .get(&peer)
-            .filter(|w| w.len() == PART_WINDOW)
-            .and_then(|w| {
-                let agreement = w.iter().sum::<f64>() / PART_WINDOW as f64;
-                (!(PART_LOW..=PART_HIGH).contains(&agreement)).then_some(Misconduct::CorruptedParts)
-            });
-        shares.or(parts)
-    }
-
     /// Drops the accusation of the earliest banned peer still accused (its ban has had time to
     /// spread), if any.
     fn make_room(&mut self) {
@@ -212,7 +258,6 @@ impl Bans {
     /// Forgets the evidence about a member that left (a ban is not forgotten).
     pub fn forget(&mut self, peer: PeerKey) {
         self.seen.remove(&peer);
-        self.parts.remove(&peer);
         if !self.is_banned(peer) {
             self.accusing.remove(&peer);
         }
@@ -265,7 +310,6 @@ impl Bans {
             .map(|(w, _)| *w)
             .unwrap_or(Misconduct::OpposedTheStage);
         self.seen.remove(&accused);
-        self.parts.remove(&accused);
         if self.banned_order.len() >= MAX_BANNED
             && let Some(oldest) = self.banned_order.pop_front()
         {
@@ -405,6 +449,39 @@ mod tests {
             b.observe(&[part(bad, a)]);
         }
         assert!(b.accusations().is_empty());
+    }
+
+    #[test]
+    fn a_member_that_withholds_its_work_is_accused() {
+        let bad = PeerKey(9);
+        let delivered = |delivered| Evidence::Delivered {
+            peer: bad,
+            delivered,
+        };
+        let led = |included| Evidence::Led {
+            peer: bad,
+            included,
+        };
+        let mut b = Bans::default();
+        for d in [false, true, false, false] {
+            b.observe(&[delivered(d)]);
+        }
+        assert!(
+            b.accusations().is_empty(),
+            "a delivery in the window clears it"
+        );
+        b.observe(&[delivered(false)]);
+        assert_eq!(b.accusations()[0].why, Misconduct::WithheldWork);
+        b.observe(&[delivered(true)]);
+        assert!(b.accusations().is_empty(), "withdrawn once it delivers");
+        // A leader that left this replica out of the last rounds it led.
+        let mut b = Bans::default();
+        for i in [false, true, false] {
+            b.observe(&[led(i)]);
+        }
+        assert!(b.accusations().is_empty());
+        b.observe(&[led(false)]);
+        assert_eq!(b.accusations()[0].why, Misconduct::WithheldWork);
     }
 
     #[test]

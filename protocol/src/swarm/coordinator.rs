@@ -167,9 +167,10 @@ impl StepCoordinator {
     }
 
     /// Scripted misbehaviour (see [`super::attack`]): whether this replica's rounds negate
-    /// the part it owns.
-    pub fn forge_parts(&mut self, on: bool) {
-        self.rounds.forge_parts = on;
+    /// the part it owns, and leave the others out when it leads.
+    pub fn misbehave(&mut self, forge_parts: bool, exclude_others: bool) {
+        self.rounds.forge_parts = forge_parts;
+        self.rounds.exclude_others = exclude_others;
     }
 
     /// Parameter hash right after the last round.
@@ -643,6 +644,7 @@ impl StepCoordinator {
                     self.applying_round = true;
                 }
                 RoundOut::Violation(from, what) => out.violation(from, what),
+                RoundOut::Evidence(e) => out.evidence.push(e),
                 RoundOut::Failed(reason) => {
                     out.event(Event::RoundFailed {
                         round: key.index,

@@ -200,6 +200,12 @@ pub enum Event {
         /// Why.
         reason: &'static str,
     },
+    /// A state downloaded from `from` was refused: its parameters differ from those more than
+    /// half of the stage announce. Another replica is asked.
+    StateRefused {
+        /// The sender.
+        from: PeerKey,
+    },
     /// Re-syncing from a replica.
     Resync {
         /// From whom.

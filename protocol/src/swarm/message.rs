@@ -95,6 +95,9 @@ pub enum Misconduct {
     /// The averaged parts it sent disagreed with the members' own shares, round after round
     /// (negated, scaled, zeroed or replaced).
     CorruptedParts,
+    /// It kept its shares or parts from the stage, or led rounds that never started or left
+    /// the others out, round after round, while announcing itself as a replica.
+    WithheldWork,
 }
 
 impl std::fmt::Display for Misconduct {
@@ -108,6 +111,9 @@ impl std::fmt::Display for Misconduct {
             }
             Misconduct::CorruptedParts => {
                 "the averaged parts it sent disagreed with the members' own shares, round after round"
+            }
+            Misconduct::WithheldWork => {
+                "it withheld its shares or parts, or led rounds without the others, round after round"
             }
         })
     }

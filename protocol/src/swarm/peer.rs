@@ -10,7 +10,7 @@
 //! peer's own (memory, routing), its announcements, and the random generator every part draws
 //! from (one generator, so that a seed fixes every choice). The microbatch path is in `peer/microbatch.rs`.
 
-use super::agreement::Resync;
+use super::agreement::{self, Resync};
 use super::attack::Attack;
 use super::bans::{self, Ban, Bans};
 use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
@@ -237,7 +237,17 @@ impl Peer {
 
     /// The next action, if any.
     pub fn poll_action(&mut self) -> Option<Action> {
-        self.out.pop()
+        let mut action = self.out.pop()?;
+        if let Some(a) = self.attack.as_mut() {
+            a.outgoing(&mut action);
+        }
+        Some(action)
+    }
+
+    /// Whether the state this peer is about to serve should be poisoned by its owner (a
+    /// scripted attacker; see [`Attack::poisons_state`]).
+    pub fn poisons_state(&self) -> bool {
+        self.attack.as_ref().is_some_and(Attack::poisons_state)
     }
 
     /// When [`Peer::handle_timeout`] must be called next: the earliest deadline of any part.
@@ -312,8 +322,9 @@ impl Peer {
     }
 
     fn after(&mut self, now: Duration) {
-        if let Some(a) = &self.attack {
-            self.steps.forge_parts(a.forges_parts(now));
+        if let Some(a) = self.attack.as_mut() {
+            a.tick(now);
+            self.steps.misbehave(a.forges_parts(), a.excludes_others());
         }
         let stage = self.role.serving();
         self.steps
@@ -471,7 +482,7 @@ impl Peer {
             Phase::Choosing { until } if now >= until => self.choose(now),
             Phase::Syncing { deadline, .. } if now >= deadline => {
                 if let Some(stage) = self.role.stage() {
-                    self.sync_from_someone(stage, now);
+                    self.sync_from_someone(stage, None, now);
                 }
             }
             _ => {}
@@ -506,7 +517,7 @@ impl Peer {
                     from: m.from,
                     to: m.to,
                 });
-                self.sync_from_someone(m.to, now);
+                self.sync_from_someone(m.to, None, now);
             }
         }
         self.after(now);
@@ -528,7 +539,7 @@ impl Peer {
                 samples,
             } => {
                 if let Some(a) = self.attack.as_mut() {
-                    a.contribution(&mut values, now);
+                    a.contribution(&mut values);
                 }
                 if self.steps.on_gradient(values, samples, now) {
                     self.send_progress();
@@ -666,7 +677,7 @@ impl Peer {
             .chain([(self.me, self.memory, self.role.first_choice())])
             .collect();
         match role::choose(placements, choosers, &self.costs.memory, self.me) {
-            Some(stage) => self.sync_from_someone(stage, now),
+            Some(stage) => self.sync_from_someone(stage, None, now),
             None => {
                 self.out.event(Event::Warning(format!(
                     "no stage fits this device's {} bytes of memory",
@@ -677,10 +688,14 @@ impl Peer {
         }
     }
 
-    /// Starts downloading `stage`'s state from one of its replicas, or builds it fresh if it
+    /// Starts downloading `stage`'s state from one of its replicas picked at random (other
+    /// than `avoid`, whose state was refused, if there is another), or builds it fresh if it
     /// has none.
-    fn sync_from_someone(&mut self, stage: u32, now: Duration) {
-        let replicas = self.members.replicas(stage);
+    fn sync_from_someone(&mut self, stage: u32, avoid: Option<PeerKey>, now: Duration) {
+        let mut replicas = self.members.replicas(stage);
+        if replicas.len() > 1 {
+            replicas.retain(|k| Some(*k) != avoid);
+        }
         let source = (!replicas.is_empty())
             .then(|| replicas[(self.rng.next_u64() % replicas.len() as u64) as usize]);
         self.abandon_stage_work();
@@ -744,7 +759,7 @@ impl Peer {
                 )));
                 self.members.remove(from);
                 if let Some(stage) = self.role.stage() {
-                    self.sync_from_someone(stage, now);
+                    self.sync_from_someone(stage, None, now);
                 }
             }
         }
@@ -757,6 +772,18 @@ impl Peer {
         // In DiLoCo transferred parameters are mid-round (the source's local ones); only
         // hashes taken right after a round are comparable between replicas.
         let hash = self.allreduce().then_some(hash);
+        // A state is checked against the parameters more than half of its stage announce at
+        // its round, not taken on its sender's word: a state that differs is dropped and
+        // another replica asked. (When the stage has moved on, the hash vote after the next
+        // round does the same.)
+        if let (Some(mine), Some(source)) = (hash, source)
+            && agreement::majority_hash(&self.members, stage, self.steps.round())
+                .is_some_and(|h| h != mine)
+        {
+            self.out.event(Event::StateRefused { from: source });
+            self.sync_from_someone(stage, Some(source), now);
+            return;
+        }
         self.steps
             .start_serving(hash, now + self.timing.announce_every);
         self.release_held_forwards(now);

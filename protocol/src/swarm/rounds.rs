@@ -36,8 +36,9 @@ pub(super) struct Rounds {
     /// leader that withholds its start times out alike, so they pass over the same one.
     passed_over: Vec<(RoundKey, PeerKey)>,
     /// Scripted misbehaviour (see [`super::attack`]): rounds started from now on negate the
-    /// part this replica owns.
+    /// part this replica owns, and leave the others out when it leads.
     pub forge_parts: bool,
+    pub exclude_others: bool,
 }
 
 impl Rounds {
@@ -53,6 +54,7 @@ impl Rounds {
             leader_seen: false,
             passed_over: Vec::new(),
             forge_parts: false,
+            exclude_others: false,
         }
     }
 
@@ -104,6 +106,7 @@ impl Rounds {
             Round::follow(key, self.me, leader, len, self.codec, self.timing, now)
         };
         round.forge_part = self.forge_parts;
+        round.exclude_others = self.exclude_others;
         self.current = Some(round);
         self.leader_seen = false;
     }
@@ -306,6 +309,7 @@ impl Rounds {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::swarm::bans::Evidence;
     use crate::swarm::peer::Action;
 
     const MS: Duration = Duration::from_millis(1);
@@ -397,6 +401,17 @@ mod tests {
         r.begin(key(0), &[PeerKey(1), PeerKey(5)], 8, Duration::ZERO);
         assert_eq!(sent(&mut r), [(PeerKey(1), RoundMsg::Join)]);
         r.handle_timeout(Duration::from_secs(600));
+        // Evidence against the leader, then the failure.
+        assert!(matches!(
+            r.poll(),
+            Some((
+                _,
+                RoundOut::Evidence(Evidence::Led {
+                    peer: PeerKey(1),
+                    included: false
+                })
+            ))
+        ));
         assert!(matches!(r.poll(), Some((_, RoundOut::Failed(_)))));
         r.fail();
         // Tried again: 3 ranks first among those left, so it leads and invites both.
@@ -416,7 +431,7 @@ mod tests {
         r2.begin(key(0), &[PeerKey(1), PeerKey(3)], 8, Duration::ZERO);
         sent(&mut r2);
         r2.handle_timeout(Duration::from_secs(600));
-        r2.poll();
+        while r2.poll().is_some() {}
         r2.fail();
         let start = RoundMsg::Start {
             group: vec![PeerKey(1), PeerKey(5)],
