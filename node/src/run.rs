@@ -8,9 +8,9 @@ use crate::report;
 use anyhow::{Context, bail};
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use shoal_compute::data::TextCorpus;
-use shoal_compute::{AnyBackend, Corpus, write_atomic};
+use shoal_compute::{AnyBackend, Corpus};
 use shoal_node::net::{self, GossipCheck, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
@@ -25,6 +25,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
+
+mod checkpoint;
+
+use checkpoint::{Checkpoint, check_run_config, load_checkpoint, save_checkpoint};
 
 /// The JSON report written on exit.
 #[derive(Debug, Serialize)]
@@ -66,74 +70,6 @@ struct RunReport {
     stage_history: Vec<u32>,
     /// Samples averaged in each step this peer took.
     step_samples: Vec<f64>,
-}
-
-/// What a checkpoint file holds.
-#[derive(Debug, Serialize, Deserialize)]
-struct Checkpoint {
-    config: RunConfig,
-    stage: u32,
-    step: u64,
-    round: u64,
-    #[serde(with = "serde_bytes")]
-    state: Vec<u8>,
-}
-
-const CHECKPOINT_FILE: &str = "stage.ckpt";
-
-fn load_checkpoint(dir: &Path) -> anyhow::Result<Option<Checkpoint>> {
-    let path = dir.join(CHECKPOINT_FILE);
-    let bytes = match std::fs::read(&path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
-    };
-    let ckpt: Checkpoint = postcard::from_bytes(&bytes)
-        .with_context(|| format!("{} is not a shoal checkpoint", path.display()))?;
-    ckpt.check()
-        .with_context(|| format!("{} holds an invalid checkpoint", path.display()))?;
-    Ok(Some(ckpt))
-}
-
-impl Checkpoint {
-    /// What a file can claim is checked before anything is built from it (the state itself is
-    /// checked for its size and finiteness when the stage imports it).
-    fn check(&self) -> anyhow::Result<()> {
-        check_run_config(&self.config)?;
-        if self.stage >= self.config.stages {
-            bail!(
-                "stage {} of a run with {} stages",
-                self.stage,
-                self.config.stages
-            );
-        }
-        if self.step > self.config.max_steps || self.round > self.step {
-            bail!(
-                "step {} and round {} of a run of {} steps",
-                self.step,
-                self.round,
-                self.config.max_steps
-            );
-        }
-        Ok(())
-    }
-}
-
-/// A run's configuration from a file or a peer: valid settings, a known model, and stages
-/// that split it.
-fn check_run_config(config: &RunConfig) -> anyhow::Result<()> {
-    config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
-    let model = model_of(config).map_err(|e| anyhow::anyhow!("{e}"))?;
-    shoal_compute::StageSpec::check_pipeline(&model, config.stages as usize, config.seq as usize)
-        .with_context(|| format!("{} stages of sequence length {}", config.stages, config.seq))?;
-    Ok(())
-}
-
-fn save_checkpoint(dir: &Path, ckpt: &Checkpoint) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let bytes = postcard::to_allocvec(ckpt)?;
-    let path = dir.join(CHECKPOINT_FILE);
-    write_atomic(&path, &bytes).with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// The run's configuration from the command line of the peer that creates it.

@@ -109,6 +109,8 @@ pub struct Round {
     joined: BTreeSet<PeerKey>,
     group: Vec<PeerKey>,
     early: Vec<(PeerKey, RoundMsg)>,
+    /// Members that left (or were banned) during the round: not waited for.
+    gone: BTreeSet<PeerKey>,
     /// Shares of the part this member owns: values (sums) and samples per sender.
     shares: BTreeMap<PeerKey, (Vec<f32>, f64, Option<f64>)>,
     owned_done: bool,
@@ -163,6 +165,7 @@ impl Round {
             joined: BTreeSet::new(),
             group: Vec::new(),
             early: Vec::new(),
+            gone: BTreeSet::new(),
             shares: BTreeMap::new(),
             owned_done: false,
             averaged: Vec::new(),
@@ -377,6 +380,24 @@ impl Round {
         }
     }
 
+    /// `peer` is gone (it left, crashed or was banned): its share of this member's part is
+    /// not waited for (it counts as contributing nothing), nor its join.
+    pub fn member_gone(&mut self, peer: PeerKey, now: Duration) {
+        self.expected.remove(&peer);
+        match self.phase {
+            Phase::Gathering => self.maybe_start(now, false),
+            Phase::AwaitContribution | Phase::Exchanging
+                if self.group.contains(&peer) && !self.owned_done =>
+            {
+                self.gone.insert(peer);
+                self.shares.entry(peer).or_insert((Vec::new(), 0.0, None));
+                self.maybe_reduce(now, false);
+                self.maybe_finish(now);
+            }
+            _ => {}
+        }
+    }
+
     /// A round message from `from`.
     pub fn handle(&mut self, from: PeerKey, msg: RoundMsg, now: Duration) {
         match (&self.phase, msg) {
@@ -433,8 +454,8 @@ impl Round {
                 },
             ) => {
                 let Some(me) = self.my_index() else { return };
-                if self.owned_done {
-                    // Late: the part was reduced without it.
+                if self.owned_done || self.gone.contains(&from) {
+                    // Late: the part was reduced (or is being reduced) without it.
                     return;
                 }
                 // One share per member: a repeat (or a replay) does not replace the first.
@@ -776,216 +797,4 @@ impl Round {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    const MS: Duration = Duration::from_millis(1);
-
-    fn timing() -> Timing {
-        Timing {
-            join_window: 100 * MS,
-            round_timeout: 300 * MS,
-            ..Timing::default()
-        }
-    }
-
-    /// Runs one round among `n` members with a hand-driven network. `kill` names a member and a
-    /// point at which it vanishes: it sends nothing from then on.
-    fn round_with_vanishing(n: usize, kill: Option<(usize, Vanish)>) -> Vec<Option<Vec<f32>>> {
-        let key = RoundKey { stage: 0, index: 0 };
-        let keys: Vec<PeerKey> = (0..n as u64).map(PeerKey).collect();
-        let t = timing();
-        let len = 37;
-        let mut rounds: Vec<Round> = (0..n)
-            .map(|i| {
-                if i == 0 {
-                    Round::lead(
-                        key,
-                        keys[0],
-                        &keys[1..],
-                        len,
-                        Codec::default(),
-                        t,
-                        Duration::ZERO,
-                    )
-                } else {
-                    Round::follow(
-                        key,
-                        keys[i],
-                        keys[0],
-                        len,
-                        Codec::default(),
-                        t,
-                        Duration::ZERO,
-                    )
-                }
-            })
-            .collect();
-        let contribution =
-            |i: usize| -> Vec<f32> { (0..len).map(|j| ((i + 1) * j) as f32).collect() };
-        let mut results: Vec<Option<Vec<f32>>> = vec![None; n];
-        let mut now = Duration::ZERO;
-        let mut averaged_sent = 0;
-        let dead = |i: usize, point: Vanish, kill: Option<(usize, Vanish)>| {
-            kill.is_some_and(|(k, p)| k == i && p <= point)
-        };
-        for _tick in 0..200 {
-            let mut mail: Vec<(usize, usize, RoundMsg)> = Vec::new();
-            for i in 0..n {
-                while let Some(out) = rounds[i].poll() {
-                    match out {
-                        RoundOut::Send(to, msg) => {
-                            let point = match msg {
-                                RoundMsg::Join => Vanish::BeforeJoin,
-                                RoundMsg::Start { .. } => Vanish::BeforeJoin,
-                                RoundMsg::Part { .. } => Vanish::BeforeParts,
-                                RoundMsg::Averaged { .. } => {
-                                    averaged_sent += 1;
-                                    if kill.is_some_and(|(k, _)| k == i) && averaged_sent > 1 {
-                                        Vanish::MidAveraged
-                                    } else {
-                                        Vanish::BeforeAveraged
-                                    }
-                                }
-                                _ => Vanish::MidAveraged,
-                            };
-                            if !dead(i, point, kill) {
-                                mail.push((i, to.0 as usize, msg));
-                            }
-                        }
-                        RoundOut::NeedContribution => {
-                            if !dead(i, Vanish::BeforeParts, kill) {
-                                rounds[i].contribute(&contribution(i), (i + 1) as f64, None, now);
-                            }
-                        }
-                        RoundOut::Finished(r) => results[i] = Some(r.averaged),
-                        RoundOut::Failed(_) | RoundOut::Evidence(_) => {}
-                        RoundOut::Violation(from, what) => {
-                            panic!("honest member {from:?} blamed: {what}")
-                        }
-                    }
-                }
-            }
-            now += 10 * MS;
-            for (from, to, msg) in mail {
-                if !dead(to, Vanish::BeforeJoin, kill) {
-                    rounds[to].handle(keys[from], msg, now);
-                }
-            }
-            for r in &mut rounds {
-                r.handle_timeout(now);
-            }
-        }
-        results
-    }
-
-    #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-    enum Vanish {
-        BeforeJoin,
-        BeforeParts,
-        BeforeAveraged,
-        MidAveraged,
-    }
-
-    /// A member's part or an owner's averaged part a million times larger than this member's
-    /// own contribution is a violation: the part counts as a member that gave nothing, the
-    /// averaged part is not applied.
-    #[test]
-    fn parts_far_larger_than_this_members_own_are_refused() {
-        // Peer 1 ranks before peer 2 in this round: it owns part 0.
-        let key = RoundKey { stage: 1, index: 0 };
-        let (a, b) = (PeerKey(1), PeerKey(2));
-        let mut r = Round::lead(key, a, &[b], 8, Codec::Fp32, timing(), Duration::ZERO);
-        r.handle(b, RoundMsg::Join, Duration::ZERO);
-        while r.poll().is_some() {}
-        r.contribute(&[2.0; 8], 2.0, None, Duration::ZERO);
-        while r.poll().is_some() {}
-        let huge = crate::codec::encode_to_vec(Codec::Fp32, &[1e6; 4], &[4]).unwrap();
-        r.handle(
-            b,
-            RoundMsg::Part {
-                part: 0,
-                samples: 2.0,
-                loss: None,
-                data: huge.clone(),
-            },
-            MS,
-        );
-        r.handle(
-            b,
-            RoundMsg::Averaged {
-                part: 1,
-                samples: 4.0,
-                loss: None,
-                data: huge,
-            },
-            MS,
-        );
-        let mut out = Vec::new();
-        while let Some(o) = r.poll() {
-            out.push(o);
-        }
-        let blamed: Vec<&str> = out
-            .iter()
-            .filter_map(|o| match o {
-                RoundOut::Violation(who, what) if *who == b => Some(*what),
-                _ => None,
-            })
-            .collect();
-        assert_eq!(blamed.len(), 2, "{out:?}");
-        // Its own part averaged without the refused share: this member's values alone.
-        let sent = out.iter().find_map(|o| match o {
-            RoundOut::Send(to, RoundMsg::Averaged { data, .. }) if *to == b => Some(data),
-            _ => None,
-        });
-        let (_, avg) = crate::codec::decode_to_vec(sent.expect("part 0 averaged")).unwrap();
-        assert_eq!(avg, vec![1.0; 4]);
-        assert!(
-            r.averaged[1].is_none(),
-            "the huge averaged part was not taken"
-        );
-    }
-
-    #[test]
-    fn an_averaging_round_survives_a_member_vanishing_at_each_phase() {
-        // Member i sums i + 1 samples of value j at coordinate j: the mean per sample is j.
-        let full = round_with_vanishing(4, None);
-        let expect: Vec<f32> = (0..37).map(|j| j as f32).collect();
-        for r in &full {
-            let r = r.as_ref().unwrap();
-            for (a, b) in r.iter().zip(&expect) {
-                // Shares travel as int8: about 1% of the largest value.
-                assert!((a - b).abs() < 0.01 * b.max(10.0), "{a} vs {b}");
-            }
-        }
-        for point in [
-            Vanish::BeforeJoin,
-            Vanish::BeforeParts,
-            Vanish::BeforeAveraged,
-            Vanish::MidAveraged,
-        ] {
-            for victim in [0usize, 2] {
-                if victim == 0 && point == Vanish::BeforeJoin {
-                    // The leader vanished before starting: followers fail the round and keep
-                    // their gradients (the swarm tests cover what happens next).
-                    continue;
-                }
-                let results = round_with_vanishing(4, Some((victim, point)));
-                let survivors: Vec<&Vec<f32>> = results
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, _)| *i != victim)
-                    .map(|(i, r)| {
-                        r.as_ref().unwrap_or_else(|| {
-                            panic!("{point:?}/{victim}: member {i} did not finish")
-                        })
-                    })
-                    .collect();
-                for s in &survivors[1..] {
-                    assert_eq!(*s, survivors[0], "{point:?}/{victim}: survivors disagree");
-                }
-                assert!(survivors[0].iter().all(|v| v.is_finite()));
-            }
-        }
-    }
-}
+mod tests;

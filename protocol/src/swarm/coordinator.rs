@@ -329,8 +329,9 @@ impl StepCoordinator {
     }
 
     /// A replica is gone: its progress no longer counts.
-    pub fn forget(&mut self, peer: PeerKey) {
+    pub fn forget(&mut self, peer: PeerKey, now: Duration) {
         self.progress.forget(peer);
+        self.rounds.member_gone(peer, now);
     }
 
     /// A microbatch of `rows` samples (with its loss, last stage) was committed here.

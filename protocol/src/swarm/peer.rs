@@ -462,7 +462,7 @@ impl Peer {
     fn peer_gone(&mut self, peer: PeerKey, now: Duration) {
         self.members.remove(peer);
         self.bans.forget(peer);
-        self.steps.forget(peer);
+        self.steps.forget(peer, now);
         self.driver.fail_hop(peer, now);
         self.server.reject_routed_through(&mut self.out, peer);
         self.role.source_lost(peer, now);

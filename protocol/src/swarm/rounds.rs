@@ -247,6 +247,13 @@ impl Rounds {
         Some(key)
     }
 
+    /// `peer` left, crashed or was banned: the current round stops waiting for its share.
+    pub fn member_gone(&mut self, peer: PeerKey, now: Duration) {
+        if let Some(r) = self.current.as_mut() {
+            r.member_gone(peer, now);
+        }
+    }
+
     /// Whether `peer` is a member of round `key` (current or last) as this replica knows it.
     pub fn has_member(&self, key: RoundKey, peer: PeerKey) -> bool {
         [self.current.as_ref(), self.last.as_ref()]
@@ -414,7 +421,8 @@ mod tests {
         ));
         assert!(matches!(r.poll(), Some((_, RoundOut::Failed(_)))));
         r.fail();
-        // Tried again: 3 ranks first among those left, so it leads and invites both.
+        // Tried again: 3 ranks first among those left, so it leads (and invites the one passed
+        // over, which may have been slow rather than malicious).
         r.begin(
             key(0),
             &[PeerKey(1), PeerKey(5)],
