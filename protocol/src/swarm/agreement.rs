@@ -21,13 +21,16 @@ use std::time::Duration;
 /// kept whatever its size).
 const HISTORY_BYTES: usize = 64 << 20;
 
-/// This replica should download its stage's state again, from `from`.
+/// This replica should download its stage's state again, from `from` (or, when `from` did not
+/// answer or lied, from another replica).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Resync {
-    /// The replica to download from.
+    /// The replica to download from, or to avoid.
     pub from: PeerKey,
     /// Why.
     pub reason: &'static str,
+    /// Download from another replica than `from`.
+    pub elsewhere: bool,
 }
 
 /// The results of recent rounds, to replay for a replica that missed them.
@@ -160,24 +163,30 @@ impl CatchUp {
         let download = Resync {
             from,
             reason: "a replica of this stage is ahead",
+            elsewhere: false,
         };
         if data.is_empty() {
             // Its record no longer holds the round: an honest answer.
             return Some(Err(download));
         }
+        let lied = Resync {
+            reason: "a replica answered a catch-up request with values no honest one sends",
+            elsewhere: true,
+            ..download
+        };
         let Some(values) = decode(data, len).filter(|v| v.len() == len && samples.is_finite())
         else {
             out.violation(
                 from,
                 "a catch-up malformed, of the wrong size or not finite",
             );
-            return Some(Err(download));
+            return Some(Err(lied));
         };
         // The rounds this replica applied itself say how large a round's result is.
         let expected = self.history.rounds.back().map_or(0.0, |h| norms::rms(&h.1));
         if !norms::within(norms::rms(&values), expected) {
             out.violation(from, "a catch-up far larger than the rounds before it");
-            return Some(Err(download));
+            return Some(Err(lied));
         }
         Some(Ok(values))
     }
@@ -189,6 +198,7 @@ impl CatchUp {
         Some(Resync {
             from: a.from,
             reason: "no answer to a catch-up request",
+            elsewhere: true,
         })
     }
 

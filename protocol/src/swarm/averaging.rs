@@ -109,8 +109,8 @@ pub struct Round {
     joined: BTreeSet<PeerKey>,
     group: Vec<PeerKey>,
     early: Vec<(PeerKey, RoundMsg)>,
-    /// Members that left (or were banned) during the round: not waited for.
-    gone: BTreeSet<PeerKey>,
+    /// Members that left or were banned (before or during the round): not waited for.
+    pub(super) gone: BTreeSet<PeerKey>,
     /// Shares of the part this member owns: values (sums) and samples per sender.
     shares: BTreeMap<PeerKey, (Vec<f32>, f64, Option<f64>)>,
     owned_done: bool,
@@ -299,6 +299,13 @@ impl Round {
     }
 
     fn begin(&mut self, now: Duration) {
+        // Members already known to be gone (banned before the group was fixed) are not
+        // waited for.
+        for k in &self.group {
+            if self.gone.contains(k) {
+                self.shares.insert(*k, (Vec::new(), 0.0, None));
+            }
+        }
         self.phase = Phase::AwaitContribution;
         self.deadline = None;
         self.started = now;
@@ -384,17 +391,21 @@ impl Round {
     /// not waited for (it counts as contributing nothing), nor its join.
     pub fn member_gone(&mut self, peer: PeerKey, now: Duration) {
         self.expected.remove(&peer);
+        self.gone.insert(peer);
         match self.phase {
-            Phase::Gathering => self.maybe_start(now, false),
-            Phase::AwaitContribution | Phase::Exchanging
-                if self.group.contains(&peer) && !self.owned_done =>
-            {
-                self.gone.insert(peer);
-                self.shares.entry(peer).or_insert((Vec::new(), 0.0, None));
+            Phase::Gathering => {
+                self.joined.remove(&peer);
+                self.maybe_start(now, false);
+            }
+            Phase::AwaitStart | Phase::Done => {}
+            Phase::AwaitContribution | Phase::Exchanging | Phase::Filling => {
+                if self.group.contains(&peer) && !self.owned_done {
+                    self.shares.entry(peer).or_insert((Vec::new(), 0.0, None));
+                }
                 self.maybe_reduce(now, false);
                 self.maybe_finish(now);
+                self.maybe_give_up_fill(now);
             }
-            _ => {}
         }
     }
 
@@ -653,14 +664,21 @@ impl Round {
         let _ = now;
     }
 
-    fn maybe_finish(&mut self, _now: Duration) {
+    fn maybe_finish(&mut self, now: Duration) {
         if !matches!(self.phase, Phase::Exchanging | Phase::Filling) || !self.owned_done {
             return;
         }
-        if self.averaged.iter().any(|p| p.is_none()) {
-            return;
+        let missing: Vec<PeerKey> = (0..self.group.len())
+            .filter(|j| self.averaged[*j].is_none())
+            .map(|j| self.group[j])
+            .collect();
+        if missing.is_empty() {
+            self.finish(Vec::new());
+        } else if self.phase == Phase::Exchanging && missing.iter().all(|k| self.gone.contains(k)) {
+            // Only parts of members that are gone are missing: ask the others now rather than
+            // at the round's timeout.
+            self.start_filling(now);
         }
-        self.finish(Vec::new());
     }
 
     fn finish(&mut self, zeroed: Vec<u32>) {
@@ -723,6 +741,26 @@ impl Round {
         self.out.push_back(RoundOut::Failed(why));
     }
 
+    /// Owners that went quiet (or are gone): ask every other member still there for their
+    /// parts.
+    fn start_filling(&mut self, now: Duration) {
+        let me = self.my_index();
+        for j in 0..self.group.len() {
+            if self.averaged[j].is_some() {
+                continue;
+            }
+            for (i, &k) in self.group.iter().enumerate() {
+                if i != j && Some(i) != me && !self.gone.contains(&k) {
+                    self.out
+                        .push_back(RoundOut::Send(k, RoundMsg::Request { part: j as u32 }));
+                }
+            }
+        }
+        self.phase = Phase::Filling;
+        self.deadline = Some(now + self.timing.round_timeout / 2);
+        self.maybe_give_up_fill(now);
+    }
+
     fn maybe_give_up_fill(&mut self, _now: Duration) {
         if self.phase != Phase::Filling {
             return;
@@ -733,7 +771,7 @@ impl Round {
                 .group
                 .iter()
                 .enumerate()
-                .filter(|(i, _)| *i != j && Some(*i) != me)
+                .filter(|(i, k)| *i != j && Some(*i) != me && !self.gone.contains(k))
                 .map(|(_, k)| *k)
                 .collect();
             let answers = self.missing_answers.get(&(j as u32));
@@ -766,24 +804,7 @@ impl Round {
                     self.deadline = Some(now + self.timing.round_timeout / 2);
                 }
             }
-            Phase::Exchanging => {
-                // Owners that went quiet: ask everyone else for their parts.
-                let me = self.my_index();
-                for j in 0..self.group.len() {
-                    if self.averaged[j].is_some() {
-                        continue;
-                    }
-                    for (i, &k) in self.group.iter().enumerate() {
-                        if i != j && Some(i) != me {
-                            self.out
-                                .push_back(RoundOut::Send(k, RoundMsg::Request { part: j as u32 }));
-                        }
-                    }
-                }
-                self.phase = Phase::Filling;
-                self.deadline = Some(now + self.timing.round_timeout / 2);
-                self.maybe_give_up_fill(now);
-            }
+            Phase::Exchanging => self.start_filling(now),
             Phase::Filling => {
                 let zeroed = (0..self.group.len())
                     .filter(|j| self.averaged[*j].is_none())

@@ -334,6 +334,11 @@ impl StepCoordinator {
         self.rounds.member_gone(peer, now);
     }
 
+    /// `peer` is banned for the rest of the run: no round waits for it again.
+    pub fn banned(&mut self, peer: PeerKey, now: Duration) {
+        self.rounds.banned(peer, now);
+    }
+
     /// A microbatch of `rows` samples (with its loss, last stage) was committed here.
     pub fn on_committed(&mut self, rows: u32, loss: Option<f32>, now: Duration) {
         self.stats.microbatches += 1;
@@ -484,6 +489,7 @@ impl StepCoordinator {
         outvoted(members, me, stage, self.round, from, theirs, mine).then_some(Resync {
             from,
             reason: "parameters differ from the stage's other replicas",
+            elsewhere: false,
         })
     }
 
@@ -530,6 +536,7 @@ impl StepCoordinator {
                 return Some(Resync {
                     from,
                     reason: "a replica of this stage is ahead",
+                    elsewhere: false,
                 });
             }
             Err(resync) => return Some(resync),

@@ -606,6 +606,7 @@ impl Peer {
                 accusers,
                 replicas,
             });
+            self.steps.banned(peer, now);
             self.peer_gone(peer, now);
         }
     }
@@ -720,6 +721,11 @@ impl Peer {
             from: r.from,
             reason: r.reason,
         });
+        if r.elsewhere || self.bans.is_banned(r.from) {
+            // It did not answer, or lied: another replica's state.
+            self.sync_from_someone(stage, Some(r.from), now);
+            return;
+        }
         self.abandon_stage_work();
         let max_bytes = self.costs.max_state_bytes(stage as usize);
         self.role.sync(

@@ -39,6 +39,8 @@ pub(super) struct Rounds {
     /// part this replica owns, and leave the others out when it leads.
     pub forge_parts: bool,
     pub exclude_others: bool,
+    /// Banned peers: members no round waits for.
+    banned: std::collections::BTreeSet<PeerKey>,
 }
 
 impl Rounds {
@@ -55,6 +57,7 @@ impl Rounds {
             passed_over: Vec::new(),
             forge_parts: false,
             exclude_others: false,
+            banned: std::collections::BTreeSet::new(),
         }
     }
 
@@ -107,6 +110,7 @@ impl Rounds {
         };
         round.forge_part = self.forge_parts;
         round.exclude_others = self.exclude_others;
+        round.gone.clone_from(&self.banned);
         self.current = Some(round);
         self.leader_seen = false;
     }
@@ -115,6 +119,7 @@ impl Rounds {
         self.leader_seen = false;
         let mut round = Round::follow(key, self.me, leader, len, self.codec, self.timing, now);
         round.forge_part = self.forge_parts;
+        round.gone.clone_from(&self.banned);
         self.current = Some(round);
     }
 
@@ -252,6 +257,14 @@ impl Rounds {
         if let Some(r) = self.current.as_mut() {
             r.member_gone(peer, now);
         }
+    }
+
+    /// `peer` is banned: no round of this replica waits for it again.
+    pub fn banned(&mut self, peer: PeerKey, now: Duration) {
+        if self.banned.len() < super::membership::MAX_MEMBERS {
+            self.banned.insert(peer);
+        }
+        self.member_gone(peer, now);
     }
 
     /// Whether `peer` is a member of round `key` (current or last) as this replica knows it.
