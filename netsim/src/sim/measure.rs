@@ -1,0 +1,179 @@
+//! What a run measured: recoveries, stage capacities and the report.
+
+use super::*;
+
+impl Sim {
+    pub(super) fn check_recoveries(&mut self) {
+        let lowest = self.serving().map(|p| p.machine.step()).min().unwrap_or(0);
+        let now = self.now_s();
+        let (done, waiting): (Vec<Pending>, Vec<Pending>) =
+            self.pending.drain(..).partition(|p| lowest >= p.step);
+        self.pending = waiting;
+        self.recoveries.extend(done.into_iter().map(|p| Recovery {
+            cause: p.cause,
+            at_s: p.at,
+            seconds: Some(now - p.at),
+        }));
+    }
+
+    /// Seconds `device` takes for the forward and backward pass of one microbatch at
+    /// `stage`, per-job overheads included.
+    pub(super) fn microbatch_seconds(&self, device: &DeviceProfile, stage: u32) -> f64 {
+        let rows = self.config.microbatch;
+        let forward = Job::Forward {
+            id: 0,
+            rows,
+            input: Input::Sample { index: 0 },
+            targets: None,
+        };
+        let backward = Job::Backward {
+            id: 0,
+            grad: None,
+            rows,
+        };
+        (device.job_time(&forward, Some(stage), &self.costs)
+            + device.job_time(&backward, Some(stage), &self.costs))
+        .as_secs_f64()
+    }
+
+    /// The least capacity of any stage, samples per second, over the replicas serving now.
+    pub(super) fn slowest_stage(&self) -> f64 {
+        let mut capacity = vec![0.0; self.config.stages as usize];
+        for p in self.serving() {
+            if let Some(c) = p.machine.stage().and_then(|s| capacity.get_mut(s as usize)) {
+                let seconds = self.microbatch_seconds(&p.device, p.machine.stage().unwrap_or(0));
+                *c += f64::from(self.config.microbatch) / seconds;
+            }
+        }
+        capacity.into_iter().fold(f64::INFINITY, f64::min)
+    }
+
+    /// Tokens per second `device` trains alone: a microbatch's forward and backward pass
+    /// through every stage, back to back, per-job overheads included.
+    pub(super) fn compute_only_tokens_per_s(&self, device: &DeviceProfile) -> f64 {
+        let seconds: f64 = (0..self.config.stages)
+            .map(|stage| self.microbatch_seconds(device, stage))
+            .sum();
+        (self.config.microbatch * self.config.seq) as f64 / seconds
+    }
+
+    pub(super) fn report(mut self) -> Report {
+        // The loop stops when the last replica takes the last step, or at `max_sim_s`.
+        let finished = self.done();
+        let end = self.now_s();
+        let slowest_stage = (
+            self.slowest_at_first_step.unwrap_or(0.0),
+            self.slowest_stage(),
+        );
+        // Ideal: every peer busy with nothing but forward and backward passes, all the time
+        // it was present, as if it ran every stage of the model itself.
+        let token_seconds: f64 = self
+            .peers
+            .iter()
+            .map(|p| self.compute_only_tokens_per_s(&p.device) * p.present(end))
+            .sum();
+        let ideal = if end > 0.0 { token_seconds / end } else { 0.0 };
+        let present: f64 = self.peers.iter().map(|p| p.present(end)).sum();
+        // Work given past the end (or past a crash) did not happen.
+        let busy: f64 = self
+            .peers
+            .iter()
+            .map(|p| (p.busy_total - (p.busy_until - p.left(end)).max(0.0)).max(0.0))
+            .sum();
+        let achieved = if end > 0.0 {
+            self.tokens as f64 / end
+        } else {
+            0.0
+        };
+        let (mut dropped, mut retried) = self
+            .gone_stats
+            .iter()
+            .fold((0, 0), |(d, r), (a, b)| (d + a, r + b));
+        for p in self.peers.iter().filter(|p| p.alive()) {
+            let s = p.machine.stats();
+            dropped += s.microbatches_dropped;
+            retried += s.microbatches_retried;
+        }
+        let tail = &self.loss_curve[self.loss_curve.len().saturating_sub(5)..];
+        let final_loss =
+            (!tail.is_empty()).then(|| tail.iter().map(|p| p.2).sum::<f64>() / tail.len() as f64);
+        self.recoveries
+            .extend(self.pending.drain(..).map(|p| Recovery {
+                cause: p.cause,
+                at_s: p.at,
+                seconds: None,
+            }));
+        let honest = || {
+            self.peers
+                .iter()
+                .filter(|p| p.alive() && !p.attacker() && p.machine.is_serving())
+        };
+        let nonfinite_replicas = honest().filter(|p| p.holds_nonfinite()).count();
+        // Every stage's honest replicas at its last round hold one parameter hash (a replica
+        // that has not averaged since it downloaded has none to compare).
+        let mut last: BTreeMap<u32, (u64, BTreeSet<u64>)> = BTreeMap::new();
+        for p in honest() {
+            let (Some(stage), Some(hash)) = (p.machine.stage(), p.machine.params_hash()) else {
+                continue;
+            };
+            let round = p.machine.round();
+            let entry = last.entry(stage).or_insert((round, BTreeSet::new()));
+            if round > entry.0 {
+                *entry = (round, BTreeSet::new());
+            }
+            if round == entry.0 {
+                entry.1.insert(hash);
+            }
+        }
+        let honest_agree = last.values().all(|(_, hashes)| hashes.len() == 1);
+        let attackers = (0..self.peers.len())
+            .filter(|i| self.peers[*i].attacker())
+            .collect();
+        let false_bans = self
+            .banned
+            .iter()
+            .filter(|b| !self.peers[b.1].attacker())
+            .count();
+        Report {
+            seed: 0,
+            peers: self.peers.len(),
+            sim_seconds: end,
+            ideal_tokens_per_s: ideal,
+            achieved_tokens_per_s: achieved,
+            efficiency: if ideal > 0.0 { achieved / ideal } else { 0.0 },
+            device_busy: if present > 0.0 { busy / present } else { 0.0 },
+            steps: self.step,
+            finished,
+            compute: self.setup.compute.name().into(),
+            final_loss,
+            loss_curve: self.loss_curve,
+            tokens_curve: self.tokens_curve,
+            bytes: Traffic::ALL
+                .iter()
+                .map(|t| {
+                    (
+                        t.name().to_string(),
+                        self.bytes.get(t).copied().unwrap_or(0),
+                    )
+                })
+                .collect(),
+            tokens: self.tokens,
+            microbatches_dropped: dropped,
+            microbatches_retried: retried,
+            double_commits: self.double_commits,
+            resyncs: self.resyncs,
+            refused_states: self.refused_states,
+            violations: self.violations,
+            attackers,
+            banned: self.banned,
+            false_bans,
+            nonfinite_replicas,
+            honest_agree,
+            recoveries: self.recoveries,
+            moves: self.moves,
+            slowest_stage,
+            events: self.events,
+            event_hash: format!("{:016x}", self.trace.digest()),
+        }
+    }
+}
