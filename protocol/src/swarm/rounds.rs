@@ -162,6 +162,10 @@ impl Rounds {
         len: usize,
         now: Duration,
     ) {
+        // A leader passed over that starts late is not blamed: it may only have been slow.
+        if matches!(msg, RoundMsg::Start { .. }) && self.passed_over.contains(&(key, from)) {
+            return;
+        }
         for r in [self.current.as_mut(), self.last.as_mut()]
             .into_iter()
             .flatten()
@@ -200,8 +204,6 @@ impl Rounds {
                     self.follow(key, from, len, now);
                 }
             }
-            // A leader passed over started late: the others have moved on without it.
-            RoundMsg::Start { .. } if self.passed_over.contains(&(key, from)) => {}
             RoundMsg::Start { .. } => {
                 self.follow(key, from, len, now);
                 if let Some(r) = self.current.as_mut() {
