@@ -7,12 +7,55 @@
 use serde_json::Value;
 use shoal_tests::{RunProcess, temp_dir};
 use std::collections::BTreeSet;
+use std::path::Path;
 use std::time::Duration;
 
 const LONG: Duration = Duration::from_secs(600);
 
 /// Four processes each: the tests take turns on a small machine.
 static ONE_SWARM_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A `shoal run` peer on loopback, one compute thread, identity and report in `dir`.
+fn start(dir: &Path, name: &str, extra: &[&str]) -> RunProcess {
+    let common = [
+        "--listen",
+        "/ip4/127.0.0.1/udp/0/quic-v1",
+        "--no-mdns",
+        "--threads",
+        "1",
+    ];
+    let args: Vec<&str> = common.iter().chain(extra).copied().collect();
+    RunProcess::start(dir, name, &args)
+}
+
+/// Creates a run of `nano` in one stage; returns its creator and the flags others join with
+/// (`--run ID --bootstrap ADDR`).
+fn create(dir: &Path, global_batch: &str, max_steps: &str) -> (RunProcess, Vec<String>) {
+    let mut creator = start(
+        dir,
+        "p0",
+        &[
+            "--preset",
+            "nano",
+            "--global-batch",
+            global_batch,
+            "--microbatch",
+            "8",
+            "--max-steps",
+            max_steps,
+        ],
+    );
+    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
+    let words: Vec<&str> = join.split_whitespace().collect();
+    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1].to_owned();
+    let joining = vec![
+        "--run".to_owned(),
+        after("--run"),
+        "--bootstrap".to_owned(),
+        after("--bootstrap"),
+    ];
+    (creator, joining)
+}
 
 /// Five replicas of one stage, one of them attacking with `behavior` once the swarm has
 /// formed; returns the honest peers' reports and the attacker's peer id.
@@ -21,50 +64,24 @@ fn swarm_with_an_attacker(behavior: &str) -> (Vec<Value>, String) {
         .lock()
         .unwrap_or_else(|e| e.into_inner());
     let dir = temp_dir(&format!("attack-{}", behavior.replace(':', "")));
-    let common = [
-        "--listen",
-        "/ip4/127.0.0.1/udp/0/quic-v1",
-        "--no-mdns",
-        "--threads",
-        "1",
-    ];
-    let start = |name: &str, extra: &[&str]| {
-        let args: Vec<&str> = common.iter().chain(extra).copied().collect();
-        RunProcess::start(&dir, name, &args)
-    };
-    let mut creator = start(
-        "p0",
-        &[
-            "--preset",
-            "nano",
-            "--global-batch",
-            "40",
-            "--microbatch",
-            "8",
-            "--max-steps",
-            "150",
-        ],
-    );
-    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
-    let words: Vec<&str> = join.split_whitespace().collect();
-    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1].to_owned();
-    let (run_id, boot) = (after("--run"), after("--bootstrap"));
+    let (creator, joining) = create(&dir, "40", "150");
     let joiner = |extra: &[&str]| -> Vec<String> {
-        ["--run", &run_id, "--bootstrap", &boot]
+        joining
             .iter()
-            .chain(extra)
-            .map(|s| s.to_string())
+            .map(String::as_str)
+            .chain(extra.iter().copied())
+            .map(str::to_owned)
             .collect()
     };
     // The attacker joins first and turns once the swarm has formed and trained a little.
     let args = joiner(&["--behavior", behavior, "--behavior-from", "6"]);
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut attacker = start("attacker", &refs);
+    let mut attacker = start(&dir, "attacker", &refs);
     let mut peers = vec![creator];
     for i in 1..4 {
         let args = joiner(&[]);
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        peers.push(start(&format!("p{i}"), &refs));
+        peers.push(start(&dir, &format!("p{i}"), &refs));
     }
     let id = attacker
         .wait_line(LONG, |l| l.starts_with("shoal run"))
@@ -125,45 +142,18 @@ fn a_poisoned_state_is_refused_by_the_joiner_that_downloads_it() {
         .lock()
         .unwrap_or_else(|e| e.into_inner());
     let dir = temp_dir("attack-poison-state");
-    let common = [
-        "--listen",
-        "/ip4/127.0.0.1/udp/0/quic-v1",
-        "--no-mdns",
-        "--threads",
-        "1",
-    ];
-    let start = |name: &str, extra: &[&str]| {
-        let args: Vec<&str> = common.iter().chain(extra).copied().collect();
-        RunProcess::start(&dir, name, &args)
-    };
-    let mut creator = start(
-        "p0",
-        &[
-            "--preset",
-            "nano",
-            "--global-batch",
-            "16",
-            "--microbatch",
-            "8",
-            "--max-steps",
-            "600",
-        ],
-    );
-    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
-    let words: Vec<&str> = join.split_whitespace().collect();
-    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1].to_owned();
-    let (run_id, boot) = (after("--run"), after("--bootstrap"));
-    let joining = ["--run", run_id.as_str(), "--bootstrap", boot.as_str()];
+    let (mut creator, joining) = create(&dir, "16", "600");
+    let joining: Vec<&str> = joining.iter().map(String::as_str).collect();
     let attacker_args: Vec<&str> = joining
         .iter()
         .copied()
         .chain(["--behavior", "poison-state"])
         .collect();
-    let mut attacker = start("attacker", &attacker_args);
+    let mut attacker = start(&dir, "attacker", &attacker_args);
     attacker.wait_line(LONG, |l| l.starts_with("serving stage"));
     let mut refused = None;
     for i in 1..=10 {
-        let mut joiner = start(&format!("j{i}"), &joining);
+        let mut joiner = start(&dir, &format!("j{i}"), &joining);
         joiner.wait_line(LONG, |l| l.starts_with("serving stage"));
         if joiner
             .seen

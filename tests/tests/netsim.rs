@@ -238,16 +238,20 @@ fn attacked(behavior: &str) -> String {
     text
 }
 
+/// A scenario event: `count` RTX 3090s on metro links join at `at_s`.
+fn joiners(count: u32, at_s: f64) -> String {
+    format!(
+        "\n[[events]]\nat_s = {at_s}\nkind = \"join\"\ncount = {count}\ndevice = \"rtx3090\"\nlink = \"metro\"\n"
+    )
+}
+
 /// The attacks on roles and claims rather than on shares: each leaves the honest replicas
 /// finite and in agreement, bans no honest peer, finishes, and costs the loss little. Two
 /// peers join at 2.3 s. (`nan`, which withholds, is measured in the README: it stalls each
 /// round by a timeout and takes minutes to simulate.)
 #[test]
 fn attacks_on_roles_and_claims_leave_the_honest_replicas_agreeing() {
-    let with_joiners = |behavior: &str| {
-        attacked(behavior)
-            + "\n[[events]]\nat_s = 2.3\nkind = \"join\"\ncount = 2\ndevice = \"rtx3090\"\nlink = \"metro\"\n"
-    };
+    let with_joiners = |behavior: &str| attacked(behavior) + &joiners(2, 2.3);
     let honest = run(&with_joiners("honest"), 1);
     let honest_loss = honest.final_loss.expect("a loss");
     for behavior in [
@@ -284,10 +288,8 @@ fn attacks_on_roles_and_claims_leave_the_honest_replicas_agreeing() {
 /// another replica's. Four peers join at 2.2 s of a 150-step run.
 #[test]
 fn a_poisoned_state_is_refused_and_downloaded_again() {
-    let scenario = |behavior: &str| {
-        attacked(behavior).replace("steps = 30", "steps = 150")
-            + "\n[[events]]\nat_s = 2.2\nkind = \"join\"\ncount = 4\ndevice = \"rtx3090\"\nlink = \"metro\"\n"
-    };
+    let scenario =
+        |behavior: &str| attacked(behavior).replace("steps = 30", "steps = 150") + &joiners(4, 2.2);
     let honest = run(&scenario("honest"), 1);
     assert_eq!(honest.refused_states, 0);
     let r = run(&scenario("poison-state"), 1);
