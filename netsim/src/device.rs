@@ -145,8 +145,8 @@ mod tests {
         let fwd = Job::Forward {
             id: 1,
             rows: 4,
-            input: shoal_protocol::swarm::Input::Sample { index: 0 },
-            targets: None,
+            sample: 0,
+            input: shoal_protocol::swarm::Input::Tokens,
         };
         let t = d.job_time(&fwd, Some(0), &costs) - d.job_overhead;
         assert!((t.as_secs_f64() - 4.0 * 1e9 / 4.0e12).abs() < 1e-9);

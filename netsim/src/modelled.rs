@@ -12,9 +12,8 @@
 //! Durations come from the device model either way, so a run's timing, traffic and protocol
 //! decisions are those of the real model; only the numbers inside the tensors are not.
 
-use shoal_compute::{Corpus, ModelConfig, StageSpec, exported_state_len};
+use shoal_compute::{ModelConfig, StageSpec, exported_state_len};
 use shoal_protocol::swarm::{ComputeDone, Input, Job, Output, RunConfig, SeededRng};
-use shoal_worker::read_samples;
 use std::collections::BTreeMap;
 use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 
@@ -23,9 +22,6 @@ pub struct ModelledStage {
     config: RunConfig,
     model: ModelConfig,
     rng: SeededRng,
-    /// The run's data: targets are read as a real driver reads them (their encoding's size
-    /// depends on their values).
-    corpus: Corpus,
     /// Random values that tensors are cut from (filling every tensor value by value would
     /// cost more than the codecs it is made for).
     noise: Vec<f32>,
@@ -74,7 +70,6 @@ impl ModelledStage {
         let mut signal = vec![0.0; NOISE_LEN];
         fill_random(&mut signal, &mut SeededRng::new(config.seed ^ SIGNAL_SALT));
         Ok(ModelledStage {
-            corpus: Corpus::synthetic(config.seed),
             config,
             model,
             rng,
@@ -175,32 +170,17 @@ impl ModelledStage {
                 ComputeDone::Ready { hash }
             }
             Job::Forward {
-                id,
-                rows,
-                input,
-                targets,
+                id, rows, input, ..
             } => {
-                let tokens = rows as usize * self.config.seq as usize;
                 let last = self.serving()?.stage + 1 == self.config.stages;
-                let mut read_targets = None;
-                match &input {
-                    Input::Sample { index } => {
-                        read_targets =
-                            Some(read_samples(&self.corpus, &self.config, *index, rows).1);
+                if let Input::Activations(acts) = &input {
+                    let want = self.boundary_values(rows);
+                    if acts.len() != want {
+                        return Err(format!(
+                            "activations of {} values, expected {want}",
+                            acts.len()
+                        ));
                     }
-                    Input::Activations(acts) => {
-                        let want = self.boundary_values(rows);
-                        if acts.len() != want {
-                            return Err(format!(
-                                "activations of {} values, expected {want}",
-                                acts.len()
-                            ));
-                        }
-                    }
-                }
-                if last && targets.as_ref().or(read_targets.as_ref()).map(Vec::len) != Some(tokens)
-                {
-                    return Err("the last stage needs one target per token".into());
                 }
                 let output = if last {
                     // A uniform guess: the loss is not computed.
@@ -209,11 +189,7 @@ impl ModelledStage {
                     Output::Activations(self.random(self.boundary_values(rows)))
                 };
                 self.serving()?.forwarded.insert(id, rows);
-                ComputeDone::Forward {
-                    id,
-                    output,
-                    targets: read_targets,
-                }
+                ComputeDone::Forward { id, output }
             }
             Job::Backward { id, grad, rows } => {
                 let first = {
@@ -379,16 +355,15 @@ mod tests {
         last.run(Job::Init { stage: 1 });
         let ComputeDone::Forward {
             output: Output::Activations(acts),
-            targets: Some(targets),
             ..
         } = first.run(Job::Forward {
             id: 7,
             rows: 2,
-            input: Input::Sample { index: 0 },
-            targets: None,
+            sample: 0,
+            input: Input::Tokens,
         })
         else {
-            panic!("the first stage forwards activations and reads targets")
+            panic!("the first stage forwards activations")
         };
         assert_eq!(acts.len(), boundary);
         let ComputeDone::Forward {
@@ -397,8 +372,8 @@ mod tests {
         } = last.run(Job::Forward {
             id: 7,
             rows: 2,
+            sample: 0,
             input: Input::Activations(acts),
-            targets: Some(targets),
         })
         else {
             panic!("the last stage reports a loss")

@@ -187,9 +187,9 @@ pub struct RunArgs {
     #[arg(long, default_value = "weighted")]
     pub routing: shoal_protocol::swarm::membership::Routing,
     /// Misbehave on purpose, to test the swarm's defences with real processes: sign-flip,
-    /// scale:F, noise:SIGMA, zero, nan, ipm:EPS, stale:K, bad-part, bad-leader,
-    /// lie-throughput, forge-hash, poison-catch-up or poison-state (test builds only: the
-    /// `attacks` feature).
+    /// scale:F, noise:SIGMA, zero, nan, ipm:EPS, alie[:Z], stale:K, label-flip, bad-part,
+    /// bad-leader, lie-throughput, forge-hash, poison-catch-up or poison-state (test builds
+    /// only: the `attacks` feature).
     #[cfg(feature = "attacks")]
     #[arg(long, default_value = "honest")]
     pub behavior: shoal_protocol::swarm::attack::Behavior,

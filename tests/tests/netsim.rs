@@ -245,18 +245,20 @@ fn joiners(count: u32, at_s: f64) -> String {
     )
 }
 
-/// The attacks on roles and claims rather than on shares: each leaves the honest replicas
-/// finite and in agreement, bans no honest peer, finishes, and costs the loss little. Two
-/// peers join at 2.3 s. (`nan`, which withholds, is measured in the README: it stalls each
-/// round by a timeout and takes minutes to simulate.)
+/// The attacks that hide in the honest spread, work on data, withhold, or target roles and
+/// claims rather than shares: each leaves the honest replicas finite and in agreement, bans
+/// no honest peer, finishes, and costs the loss little. Two peers join at 2.3 s.
 #[test]
-fn attacks_on_roles_and_claims_leave_the_honest_replicas_agreeing() {
+fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
     let with_joiners = |behavior: &str| attacked(behavior) + &joiners(2, 2.3);
     let honest = run(&with_joiners("honest"), 1);
     let honest_loss = honest.final_loss.expect("a loss");
     for behavior in [
         "ipm:0.5",
+        "alie",
         "stale:4",
+        "label-flip",
+        "nan",
         "bad-leader",
         "lie-throughput",
         "forge-hash",
@@ -268,10 +270,24 @@ fn attacks_on_roles_and_claims_leave_the_honest_replicas_agreeing() {
         assert_eq!(r.attackers.len(), 2, "{behavior}");
         assert_eq!(r.nonfinite_replicas, 0, "{behavior}: {table}");
         assert!(r.honest_agree, "{behavior}: {table}");
-        assert_eq!(r.false_bans, 0, "{behavior}: {table}");
-        if behavior == "bad-leader" {
-            // Its followers see it leave them out, pass it over and accuse it.
-            assert_eq!(r.banned.len(), 2, "{behavior}: {table}");
+        if behavior == "label-flip" {
+            // The one attack that still costs honest peers: the activation gradients of a last
+            // stage training on wrong targets poison the shares of the replicas upstream that
+            // sent it microbatches, and one of those can look like an attacker to its stage
+            // before the culprit is banned (seed 1: one; see the README's threat model).
+            assert!(r.false_bans <= 1, "{behavior}: {table}");
+        } else {
+            assert_eq!(r.false_bans, 0, "{behavior}: {table}");
+        }
+        let banned: Vec<usize> = r.banned.iter().map(|b| b.1).collect();
+        match behavior {
+            // Its followers see it leave them out (or, for `nan`, see its share and part never
+            // come), pass it over and accuse it.
+            "bad-leader" | "nan" => assert_eq!(banned.len(), 2, "{behavior}: {table}"),
+            // Only the last stage reads targets: the attacker there trains on wrong ones, and
+            // its shares give it away.
+            "label-flip" => assert!(banned.contains(&r.attackers[1]), "{table}"),
+            _ => {}
         }
         // Measured (seed 1): within +0.6% (`stale:4`, `bad-leader`), the others within 0.2%.
         let loss = r.final_loss.expect("a loss");

@@ -162,44 +162,36 @@ impl<B: Backend> StageWorker<B> {
             Job::Forward {
                 id,
                 rows,
+                sample,
                 input,
-                targets,
             } => {
-                let seq = self.config.seq as usize;
                 let shape = MicrobatchShape {
                     batch: rows as usize,
-                    seq,
+                    seq: self.config.seq as usize,
                 };
-                match input {
-                    Input::Sample { index } => {
+                let last = self.serving()?.spec().is_last();
+                // Tokens are read only where they are needed: inputs at the first stage,
+                // targets at the last.
+                let read = match (&input, last) {
+                    (Input::Tokens, _) | (Input::Activations(_), true) => {
                         let corpus = self.corpus.as_ref().ok_or("no data on this peer")?;
-                        let (inputs, targets) = read_samples(corpus, &self.config, index, rows);
-                        let out = self
-                            .serving()?
-                            .forward(id, shape, StageInput::Tokens(&inputs), Some(&targets))
-                            .map_err(err)?;
-                        ComputeDone::Forward {
-                            id,
-                            output: output(out),
-                            targets: Some(targets),
-                        }
+                        Some(read_samples(corpus, &self.config, sample, rows))
                     }
-                    Input::Activations(acts) => {
-                        let out = self
-                            .serving()?
-                            .forward(
-                                id,
-                                shape,
-                                StageInput::Activations(&acts),
-                                targets.as_deref(),
-                            )
-                            .map_err(err)?;
-                        ComputeDone::Forward {
-                            id,
-                            output: output(out),
-                            targets: None,
-                        }
-                    }
+                    (Input::Activations(_), false) => None,
+                };
+                let (inputs, targets) = read.unzip();
+                let stage_input = match &input {
+                    Input::Tokens => StageInput::Tokens(inputs.as_deref().unwrap_or_default()),
+                    Input::Activations(acts) => StageInput::Activations(acts),
+                };
+                let targets = targets.filter(|_| last);
+                let out = self
+                    .serving()?
+                    .forward(id, shape, stage_input, targets.as_deref())
+                    .map_err(err)?;
+                ComputeDone::Forward {
+                    id,
+                    output: output(out),
                 }
             }
             Job::Backward { id, grad, rows } => {

@@ -23,8 +23,8 @@ impl Sim {
         let forward = Job::Forward {
             id: 0,
             rows,
-            input: Input::Sample { index: 0 },
-            targets: None,
+            sample: 0,
+            input: Input::Tokens,
         };
         let backward = Job::Backward {
             id: 0,

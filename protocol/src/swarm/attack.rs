@@ -9,12 +9,12 @@
 //! round ([`Attack::contribution`]); its role in a round, as the owner of a part it negates
 //! for everyone, itself included, so that it stays in step with the replicas it poisons
 //! ([`Attack::forges_parts`]) or as a leader that leaves the others out
-//! ([`Attack::excludes_others`]); and the messages and announcements it sends
-//! ([`Attack::outgoing`]). A state it serves is poisoned by its owner, which knows the state's
-//! layout ([`Attack::poisons_state`]).
+//! ([`Attack::excludes_others`]); and the messages, announcements and compute jobs it hands
+//! out ([`Attack::outgoing`]). A state it serves is poisoned by its owner, which knows the
+//! state's layout ([`Attack::poisons_state`]).
 
 use super::SeededRng;
-use super::interface::Action;
+use super::interface::{Action, Input, Job};
 use super::message::Message;
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -39,6 +39,17 @@ pub enum Behavior {
     Ipm(f32),
     /// Sends its contribution of this many rounds ago (honest until it has one).
     Stale(u32),
+    /// "A little is enough": moves each value of its contribution against its sign by this
+    /// many estimated standard deviations of the replicas' spread, small enough to hide in
+    /// it. It sees no other replica's values, so it estimates the spread of a value from how
+    /// much its own moved since the previous round (two draws of the same spread).
+    Alie(f32),
+    /// Trains on wrong targets where it computes a loss (the last stage): the next tokens of
+    /// another sample than its inputs', as a volunteer with mislabeled data would. Its
+    /// gradients, and the activation gradients it sends back along each route, pull every
+    /// stage toward them. (A driver cannot mislabel: targets do not travel, the last stage
+    /// reads them from the sample.)
+    LabelFlip,
     /// Negates the averaged part it owns (the part every replica applies, itself included).
     BadPart,
     /// As a round's leader, starts the round with itself alone: the others are left out.
@@ -67,6 +78,8 @@ impl std::str::FromStr for Behavior {
             None => match s {
                 "honest" => Behavior::Honest,
                 "sign-flip" => Behavior::SignFlip,
+                "alie" => Behavior::Alie(1.0),
+                "label-flip" => Behavior::LabelFlip,
                 "zero" => Behavior::Zero,
                 "nan" => Behavior::Nan,
                 "bad-part" => Behavior::BadPart,
@@ -80,6 +93,7 @@ impl std::str::FromStr for Behavior {
             Some(("scale", f)) => Behavior::Scale(number(f)?),
             Some(("noise", sigma)) => Behavior::Noise(number(sigma)?),
             Some(("ipm", eps)) => Behavior::Ipm(number(eps)?),
+            Some(("alie", z)) => Behavior::Alie(number(z)?),
             Some(("stale", k)) => Behavior::Stale(
                 k.parse::<u32>()
                     .ok()
@@ -94,8 +108,9 @@ impl std::str::FromStr for Behavior {
 impl Behavior {
     fn expected(s: &str) -> String {
         format!(
-            "'{s}' (honest, sign-flip, scale:F, noise:SIGMA, zero, nan, ipm:EPS, stale:K, \
-             bad-part, bad-leader, lie-throughput, forge-hash, poison-catch-up or poison-state)"
+            "'{s}' (honest, sign-flip, scale:F, noise:SIGMA, zero, nan, ipm:EPS, alie[:Z], \
+             stale:K, label-flip, bad-part, bad-leader, lie-throughput, forge-hash, \
+             poison-catch-up or poison-state)"
         )
     }
 }
@@ -108,7 +123,7 @@ pub struct Attack {
     from: Duration,
     /// Whether it attacks now (as of the last [`Attack::tick`]).
     on: bool,
-    /// Its past contributions (`stale:K`).
+    /// Its past contributions (`stale:K`, `alie`).
     past: VecDeque<Vec<f32>>,
     /// Its own noise, so that an attacker draws nothing from its owner's randomness.
     rng: SeededRng,
@@ -138,13 +153,20 @@ impl Attack {
 
     /// Its averaging contribution (the device's result) as it hands it to its peer.
     pub fn contribution(&mut self, values: &mut Vec<f32>) {
-        if let Behavior::Stale(k) = self.behavior {
+        let remembered = match self.behavior {
+            Behavior::Stale(k) => k as usize + 1,
+            Behavior::Alie(_) => 2,
+            _ => 0,
+        };
+        if remembered > 0 {
             // Remembered from the start, so that it has old ones when it turns.
             self.past.push_back(values.clone());
-            if self.past.len() > k as usize + 1 {
+            if self.past.len() > remembered {
                 self.past.pop_front();
             }
-            if self.on && self.past.len() == k as usize + 1 {
+        }
+        if let Behavior::Stale(_) = self.behavior {
+            if self.on && self.past.len() == remembered {
                 values.clone_from(&self.past[0]);
             }
             return;
@@ -165,6 +187,12 @@ impl Attack {
             Behavior::Noise(sigma) => {
                 for v in values.iter_mut() {
                     *v += sigma * self.gaussian();
+                }
+            }
+            Behavior::Alie(z) if self.past.len() == 2 && self.past[0].len() == values.len() => {
+                for (v, p) in values.iter_mut().zip(&self.past[0]) {
+                    let spread = (*v - p).abs() * std::f32::consts::FRAC_1_SQRT_2;
+                    *v -= z * spread * v.signum();
                 }
             }
             _ => {}
@@ -192,6 +220,17 @@ impl Attack {
             return;
         }
         match (self.behavior, action) {
+            (
+                Behavior::LabelFlip,
+                Action::Compute(Job::Forward {
+                    sample,
+                    input: Input::Activations(_),
+                    ..
+                }),
+            ) => {
+                // Only the last stage reads targets from an activations job's sample.
+                *sample = sample.rotate_left(32) ^ 0x6c61_6265_6c73;
+            }
             (Behavior::LieThroughput, Action::Announce(a)) => {
                 a.throughput *= 100.0;
                 a.queue = 0;
@@ -225,5 +264,78 @@ impl Attack {
         let u1 = ((self.rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
         let u2 = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
         ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::swarm::interface::{Input, Job};
+
+    fn on(behavior: Behavior) -> Attack {
+        let mut a = Attack::new(behavior, Duration::ZERO, 1);
+        a.tick(Duration::ZERO);
+        a
+    }
+
+    #[test]
+    fn behaviors_parse_and_bad_ones_say_what_is_expected() {
+        for (text, behavior) in [
+            ("alie", Behavior::Alie(1.0)),
+            ("alie:2.5", Behavior::Alie(2.5)),
+            ("label-flip", Behavior::LabelFlip),
+            ("stale:4", Behavior::Stale(4)),
+            ("scale:-4", Behavior::Scale(-4.0)),
+        ] {
+            assert_eq!(text.parse::<Behavior>(), Ok(behavior));
+        }
+        for bad in ["alie:x", "stale:0", "flip", "scale:inf"] {
+            let e = bad.parse::<Behavior>().unwrap_err();
+            assert!(e.contains(bad.split(':').next_back().unwrap()), "{e}");
+        }
+    }
+
+    #[test]
+    fn alie_moves_each_value_against_its_sign_by_its_estimated_spread() {
+        let mut a = on(Behavior::Alie(2.0));
+        let mut first = vec![1.0, -1.0, 0.5];
+        a.contribution(&mut first);
+        assert_eq!(first, [1.0, -1.0, 0.5], "no spread known yet");
+        let mut second = vec![1.0, -3.0, 0.5 + 2f32.sqrt()];
+        a.contribution(&mut second);
+        // Spread estimates |difference| / sqrt(2): 0, sqrt(2), 1.
+        let expected = [1.0, -3.0 + 2.0 * 2f32.sqrt(), 0.5 + 2f32.sqrt() - 2.0];
+        for (v, e) in second.iter().zip(expected) {
+            assert!((v - e).abs() < 1e-5, "{second:?} against {expected:?}");
+        }
+    }
+
+    #[test]
+    fn label_flip_changes_the_targets_of_the_last_stage_only() {
+        let mut a = on(Behavior::LabelFlip);
+        let job = |input| {
+            Action::Compute(Job::Forward {
+                id: 1,
+                rows: 2,
+                sample: 77,
+                input,
+            })
+        };
+        // A first stage's tokens and targets come from one sample: nothing to mislabel.
+        let mut first = job(Input::Tokens);
+        a.outgoing(&mut first);
+        assert_eq!(first, job(Input::Tokens));
+        let mut last = job(Input::Activations(vec![0.5; 4]));
+        a.outgoing(&mut last);
+        let Action::Compute(Job::Forward { sample, .. }) = last else {
+            panic!("a forward job")
+        };
+        assert_ne!(sample, 77);
+        // Honest until its time.
+        let mut later = Attack::new(Behavior::LabelFlip, Duration::from_secs(5), 1);
+        later.tick(Duration::from_secs(1));
+        let mut early = job(Input::Activations(vec![0.5; 4]));
+        later.outgoing(&mut early);
+        assert_eq!(early, job(Input::Activations(vec![0.5; 4])));
     }
 }

@@ -544,7 +544,11 @@ impl Round {
                         // Evidence only: a member does not refuse a part on its own (members
                         // with no samples this round cannot check it, and replicas that
                         // applied different parts would diverge); the owner is banned instead.
-                        if let Some(agreement) = robust::agreement(own, self.own_samples, &v) {
+                        // A part relayed while filling is not the relayer's work: no evidence.
+                        let from_owner = self.phase == Phase::Exchanging;
+                        if let Some(agreement) =
+                            robust::agreement(own, self.own_samples, &v).filter(|_| from_owner)
+                        {
                             self.evidence.push(Evidence::Part {
                                 peer: from,
                                 agreement,

@@ -12,8 +12,8 @@
 //! its announcements, and withdraws the accusation if the window recovers (one unlucky stretch
 //! of noise costs nothing). The averaged parts are judged the same way by the members that
 //! receive them: each compares a part with its own share of it ([`super::robust::agreement`],
-//! about 1 for an honest part) and accuses an owner whose last [`PART_WINDOW`] parts averaged
-//! outside [[`PART_LOW`], [`PART_HIGH`]]. Every member sends a share to every owner and
+//! about 1 for an honest part) and accuses an owner whose last [`PART_WINDOW`] parts had a
+//! median outside [[`PART_LOW`], [`PART_HIGH`]]. Every member sends a share to every owner and
 //! receives every part, so every replica of the stage holds its own evidence of both.
 //!
 //! A peer bans a member when more than half of the member's stage (the member counted)
@@ -28,6 +28,7 @@ use super::membership::Membership;
 use super::message::{Accusation, Misconduct};
 use super::robust::Support;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
 
 /// Rounds of scores a replica judges a member by.
 pub const WINDOW: usize = 5;
@@ -47,12 +48,12 @@ pub const DEVIATION: f64 = 2.0;
 /// by every replica (a share is only clipped), and an honest part's agreement scatters less.
 pub const PART_WINDOW: usize = 3;
 
-/// Below this mean agreement the averaged parts a member sent disagree with the shares they
+/// Below this median agreement the averaged parts a member sent disagree with the shares they
 /// were reduced from (honest parts agree about 1 on average; a member with a much smaller
 /// weight than the others sees less, but such members are a minority of any stage).
 pub const PART_LOW: f64 = 0.25;
 
-/// Above this mean agreement its parts were shrunk.
+/// Above this median agreement its parts were shrunk.
 pub const PART_HIGH: f64 = 4.0;
 
 /// Rounds of delivery a replica judges a member by: one that withheld its share or its part
@@ -135,8 +136,15 @@ impl Record {
                 None
             }
         });
+        // The median: one part judged against a share that happened to carry little of the
+        // stage's signal must not outweigh the others.
+        let median = |w: &VecDeque<f64>| {
+            let mut v: Vec<f64> = w.iter().copied().collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
         let parts = (self.parts.len() == PART_WINDOW)
-            .then(|| !(PART_LOW..=PART_HIGH).contains(&mean(&self.parts)))
+            .then(|| !(PART_LOW..=PART_HIGH).contains(&median(&self.parts)))
             .filter(|bad| *bad)
             .map(|_| Misconduct::CorruptedParts);
         let withheld = self.delivered.len() == DELIVERY_WINDOW && self.delivered.iter().all(|d| !d);
@@ -168,6 +176,10 @@ pub struct Bans {
     seen: BTreeMap<PeerKey, Record>,
     /// Whom this peer accuses (announced with every announcement).
     accusing: BTreeMap<PeerKey, Misconduct>,
+    /// When each accusation was made.
+    accused_at: BTreeMap<PeerKey, Duration>,
+    /// How long an accusation stands at least, whatever the evidence does meanwhile.
+    hold: Duration,
     /// Banned peers (looked up on every message).
     banned: BTreeSet<PeerKey>,
     /// The same, in the order banned (the oldest is forgotten first).
@@ -175,6 +187,18 @@ pub struct Bans {
 }
 
 impl Bans {
+    /// Bans whose accusations stand at least `hold` once made. Evidence moves round by round,
+    /// far faster than announcements spread: an accusation made and withdrawn between two of
+    /// them reaches some peers and not others, and a peer that counted it for a majority bans
+    /// alone, for the rest of the run, out of step with the stage it then splits from. Held
+    /// for a few announcements, an accusation reaches every peer before it can go.
+    pub fn new(hold: Duration) -> Self {
+        Bans {
+            hold,
+            ..Bans::default()
+        }
+    }
+
     /// Whether `peer` is banned.
     pub fn is_banned(&self, peer: PeerKey) -> bool {
         self.banned.contains(&peer)
@@ -190,7 +214,7 @@ impl Bans {
 
     /// Takes in what a round showed of the members of this peer's stage. Returns the members
     /// whose accusation changed (to check for a ban).
-    pub fn observe(&mut self, evidence: &[Evidence]) -> Vec<PeerKey> {
+    pub fn observe(&mut self, evidence: &[Evidence], now: Duration) -> Vec<PeerKey> {
         let mut changed = Vec::new();
         for e in evidence {
             let peer = match *e {
@@ -230,11 +254,18 @@ impl Bans {
                     }
                     if self.accusing.len() < MAX_ACCUSATIONS || before.is_some() {
                         self.accusing.insert(peer, why);
+                        self.accused_at.entry(peer).or_insert(now);
                         changed.push(peer);
                     }
                 }
-                None if before.is_some() => {
+                None if before.is_some()
+                    && self
+                        .accused_at
+                        .get(&peer)
+                        .is_none_or(|&at| now >= at + self.hold) =>
+                {
                     self.accusing.remove(&peer);
+                    self.accused_at.remove(&peer);
                     changed.push(peer);
                 }
                 _ => {}
@@ -252,6 +283,7 @@ impl Bans {
             .find(|k| self.accusing.contains_key(k))
         {
             self.accusing.remove(&k.clone());
+            self.accused_at.remove(&k.clone());
         }
     }
 
@@ -260,6 +292,7 @@ impl Bans {
         self.seen.remove(&peer);
         if !self.is_banned(peer) {
             self.accusing.remove(&peer);
+            self.accused_at.remove(&peer);
         }
     }
 
@@ -361,7 +394,7 @@ mod tests {
     fn stage_of(n: u64) -> Membership {
         let mut m = Membership::default();
         for k in 1..=n {
-            m.update(PeerKey(k), announcement(Some(0)), std::time::Duration::ZERO);
+            m.update(PeerKey(k), announcement(Some(0)), Duration::ZERO);
         }
         m
     }
@@ -373,7 +406,7 @@ mod tests {
             peer: PeerKey(accused),
             why: Misconduct::OpposedTheStage,
         });
-        m.update(PeerKey(accuser), a, std::time::Duration::ZERO);
+        m.update(PeerKey(accuser), a, Duration::ZERO);
     }
 
     #[test]
@@ -381,7 +414,10 @@ mod tests {
         let mut b = Bans::default();
         let bad = PeerKey(9);
         for round in 0..WINDOW {
-            let changed = b.observe(&[share(bad, s(-1.0)), share(PeerKey(2), s(1.0))]);
+            let changed = b.observe(
+                &[share(bad, s(-1.0)), share(PeerKey(2), s(1.0))],
+                Duration::ZERO,
+            );
             assert_eq!(changed.is_empty(), round + 1 < WINDOW, "round {round}");
         }
         assert_eq!(
@@ -394,29 +430,47 @@ mod tests {
         // One bad round among good ones is noise.
         let mut c = Bans::default();
         for r in [1.0, -1.0, 1.2, 0.9, 1.0, 0.8] {
-            c.observe(&[share(bad, s(r))]);
+            c.observe(&[share(bad, s(r))], Duration::ZERO);
         }
         assert!(c.accusations().is_empty());
         // Low ratios within the members' own spread (no common signal) are no evidence.
         let mut d = Bans::default();
         for _ in 0..2 * WINDOW {
-            d.observe(&[share(
-                bad,
-                Support {
-                    ratio: -3.0,
-                    deviation: -1.0,
-                },
-            )]);
+            d.observe(
+                &[share(
+                    bad,
+                    Support {
+                        ratio: -3.0,
+                        deviation: -1.0,
+                    },
+                )],
+                Duration::ZERO,
+            );
         }
         assert!(d.accusations().is_empty());
         // Recovering withdraws the accusation.
         for _ in 0..WINDOW {
-            b.observe(&[share(bad, s(1.0))]);
+            b.observe(&[share(bad, s(1.0))], Duration::ZERO);
         }
         assert!(b.accusations().is_empty());
+        // ...but not before the accusation has stood its time (so that it reached every peer).
+        let second = Duration::from_secs(1);
+        let mut h = Bans::new(2 * second);
+        for _ in 0..WINDOW {
+            h.observe(&[share(bad, s(-1.0))], second);
+        }
+        for _ in 0..WINDOW {
+            h.observe(&[share(bad, s(1.0))], 2 * second);
+        }
+        assert_eq!(h.accusations().len(), 1, "held");
+        assert_eq!(h.observe(&[share(bad, s(1.0))], 3 * second), vec![bad]);
+        assert!(
+            h.accusations().is_empty(),
+            "withdrawn once held long enough"
+        );
         // Scaled shares are accused too.
         for _ in 0..WINDOW {
-            b.observe(&[share(bad, s(10.0))]);
+            b.observe(&[share(bad, s(10.0))], Duration::ZERO);
         }
         assert_eq!(b.accusations()[0].why, Misconduct::DwarfedTheStage);
     }
@@ -430,7 +484,7 @@ mod tests {
         {
             let mut b = Bans::default();
             for round in 0..PART_WINDOW {
-                let changed = b.observe(&[part(bad, agreement)]);
+                let changed = b.observe(&[part(bad, agreement)], Duration::ZERO);
                 assert_eq!(
                     !changed.is_empty(),
                     accused && round + 1 == PART_WINDOW,
@@ -446,7 +500,7 @@ mod tests {
         // Scattered agreements, as at a low signal-to-noise ratio, are no evidence.
         let mut b = Bans::default();
         for a in [1.6, 0.2, 0.9, -0.2, 1.4, 0.3, 1.1, 0.2, 1.0] {
-            b.observe(&[part(bad, a)]);
+            b.observe(&[part(bad, a)], Duration::ZERO);
         }
         assert!(b.accusations().is_empty());
     }
@@ -464,23 +518,23 @@ mod tests {
         };
         let mut b = Bans::default();
         for d in [false, true, false, false] {
-            b.observe(&[delivered(d)]);
+            b.observe(&[delivered(d)], Duration::ZERO);
         }
         assert!(
             b.accusations().is_empty(),
             "a delivery in the window clears it"
         );
-        b.observe(&[delivered(false)]);
+        b.observe(&[delivered(false)], Duration::ZERO);
         assert_eq!(b.accusations()[0].why, Misconduct::WithheldWork);
-        b.observe(&[delivered(true)]);
+        b.observe(&[delivered(true)], Duration::ZERO);
         assert!(b.accusations().is_empty(), "withdrawn once it delivers");
         // A leader that left this replica out of the last rounds it led.
         let mut b = Bans::default();
         for i in [false, true, false] {
-            b.observe(&[led(i)]);
+            b.observe(&[led(i)], Duration::ZERO);
         }
         assert!(b.accusations().is_empty());
-        b.observe(&[led(false)]);
+        b.observe(&[led(false)], Duration::ZERO);
         assert_eq!(b.accusations()[0].why, Misconduct::WithheldWork);
     }
 
@@ -492,7 +546,7 @@ mod tests {
         m.remove(me);
         let mut b = Bans::default();
         for _ in 0..WINDOW {
-            b.observe(&[share(PeerKey(6), s(-1.0))]);
+            b.observe(&[share(PeerKey(6), s(-1.0))], Duration::ZERO);
         }
         accuse(&mut m, 2, 6);
         assert_eq!(b.judge(PeerKey(6), &m, me, Some(0)), None, "2 of 6");
@@ -514,7 +568,7 @@ mod tests {
         let mut m = stage_of(6);
         // Three peers of another stage accuse replica 1 as well.
         for k in 10..13 {
-            m.update(PeerKey(k), announcement(Some(1)), std::time::Duration::ZERO);
+            m.update(PeerKey(k), announcement(Some(1)), Duration::ZERO);
             accuse(&mut m, k, 1);
         }
         // Two colluding replicas of its stage.
@@ -523,7 +577,7 @@ mod tests {
         let mut b = Bans::default();
         assert_eq!(b.judge(PeerKey(1), &m, PeerKey(99), None), None);
         // A peer that serves no stage is judged by nobody's stage.
-        m.update(PeerKey(20), announcement(None), std::time::Duration::ZERO);
+        m.update(PeerKey(20), announcement(None), Duration::ZERO);
         for k in 2..7 {
             accuse(&mut m, k, 20);
         }
@@ -553,7 +607,7 @@ mod tests {
             let scores: Vec<Evidence> = (0..6)
                 .filter_map(|k| Some(share(PeerKey(k), robust.support[k as usize]?)))
                 .collect();
-            b.observe(&scores);
+            b.observe(&scores, Duration::ZERO);
             assert!(b.accusations().is_empty(), "{scores:?}");
         }
     }
@@ -563,7 +617,7 @@ mod tests {
         let mut b = Bans::default();
         for _ in 0..WINDOW {
             let all: Vec<Evidence> = (0..100).map(|k| share(PeerKey(k), s(-1.0))).collect();
-            b.observe(&all);
+            b.observe(&all, Duration::ZERO);
         }
         assert_eq!(b.accusations().len(), MAX_ACCUSATIONS);
     }

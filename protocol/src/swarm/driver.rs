@@ -239,8 +239,8 @@ impl Driver {
         out.compute(Job::Forward {
             id,
             rows,
-            input: Input::Sample { index: sample },
-            targets: None,
+            sample,
+            input: Input::Tokens,
         });
     }
 
@@ -262,8 +262,8 @@ impl Driver {
                 } => out.compute(Job::Forward {
                     id: attempt,
                     rows,
-                    input: Input::Sample { index: sample },
-                    targets: None,
+                    sample,
+                    input: Input::Tokens,
                 }),
                 Expiry::Dropped(entry) => {
                     for (a, hop) in entry.live {
@@ -672,14 +672,17 @@ mod tests {
         assert_eq!(d.next_timeout(), Some(t.microbatch_deadline));
         d.expire(&mut out, &t, t.microbatch_deadline);
         let Some(Job::Forward {
-            id: retry, input, ..
+            id: retry,
+            sample,
+            input,
+            ..
         }) = out.jobs.next(Duration::ZERO)
         else {
             panic!("a retry");
         };
         out.jobs.finished(Duration::ZERO);
         assert_ne!(retry, first);
-        assert_eq!(input, Input::Sample { index: d_sample(0) });
+        assert_eq!((sample, input), (d_sample(0), Input::Tokens));
         assert_eq!(
             d.previous_hop(retry),
             Some(PeerKey(7)),

@@ -9,11 +9,8 @@ use super::message::{Announcement, Message};
 /// The input of a forward job.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Input {
-    /// First stage: read sample `index` of the run's data (`rows` consecutive samples from it).
-    Sample {
-        /// First sample index.
-        index: u64,
-    },
+    /// First stage: the tokens of the job's samples, read from the run's data.
+    Tokens,
     /// Activations from the previous stage.
     Activations(Vec<f32>),
 }
@@ -49,10 +46,12 @@ pub enum Job {
         id: u64,
         /// Samples.
         rows: u32,
+        /// The first of its `rows` consecutive samples of the run's data. The first stage
+        /// reads its tokens from them and the last stage its next-token targets: targets do
+        /// not travel, so no peer on the route can hand the last stage wrong ones.
+        sample: u64,
         /// Input.
         input: Input,
-        /// Targets (last stage; the first stage reads them with the sample).
-        targets: Option<Vec<u32>>,
     },
     /// Backward pass; the parameter gradient stays pending until commit.
     Backward {
@@ -121,8 +120,6 @@ pub enum ComputeDone {
         id: u64,
         /// What it produced.
         output: Output,
-        /// The targets read with the sample (first stage).
-        targets: Option<Vec<u32>>,
     },
     /// Backward done.
     Backward {

@@ -205,7 +205,7 @@ impl Membership {
             .collect()
     }
 
-    /// Picks the replica of `stage` to send a microbatch to: random, weighted by measured
+    /// Picks the replica of `stage` to send a microbatch to, dealt in proportion to measured
     /// throughput over (1 + queue), so fast idle peers get more work and a peer that stopped
     /// answering (and so stopped being announced) gets none. `avoid` is skipped unless it is
     /// the only choice (a retry goes elsewhere when it can).
@@ -214,7 +214,7 @@ impl Membership {
         stage: u32,
         avoid: Option<PeerKey>,
         routing: Routing,
-        rng: &mut SeededRng,
+        dealer: &mut Dealer,
     ) -> Option<PeerKey> {
         let mut candidates = self.replicas(stage);
         if candidates.len() > 1 {
@@ -227,9 +227,69 @@ impl Membership {
                     .filter_map(|k| self.members.get(k))
                     .map(|m| &m.announcement),
             ),
-            Routing::Uniform => vec![1.0; candidates.len()],
+            Routing::Uniform => {
+                let i = dealer.rng.weighted(&vec![1.0; candidates.len()])?;
+                return Some(candidates[i]);
+            }
         };
-        rng.weighted(&weights).map(|i| candidates[i])
+        dealer.deal(&candidates, &weights).map(|i| candidates[i])
+    }
+}
+
+/// Deals a sender's microbatches out to the replicas of the next stage in proportion to their
+/// weights, as evenly as the weights allow (smooth weighted round robin: each deal adds every
+/// candidate's weight to its credit and goes to the candidate with the most, which gives the
+/// sum of the weights back). Random weighted picks reach the same proportions only on
+/// average: over a few rounds a sender could send most of its microbatches through one
+/// replica, and its averaging share would then reflect that replica's work more than the
+/// stage's (with an attacker there, an honest replica's share looks poisoned and gets it
+/// accused).
+#[derive(Debug)]
+pub struct Dealer {
+    /// Each candidate's credit (candidates of the last deal only).
+    credit: BTreeMap<PeerKey, f64>,
+    /// New candidates start at a random point of their cycle, so that senders do not all
+    /// pick the same replica first.
+    rng: SeededRng,
+}
+
+impl Dealer {
+    /// A dealer whose randomness comes from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Dealer {
+            credit: BTreeMap::new(),
+            rng: SeededRng::new(seed),
+        }
+    }
+
+    /// The index of the candidate (in key order) that gets the next microbatch; None when no
+    /// weight is positive.
+    fn deal(&mut self, candidates: &[PeerKey], weights: &[f64]) -> Option<usize> {
+        self.credit
+            .retain(|k, _| candidates.binary_search(k).is_ok());
+        let total: f64 = weights.iter().filter(|w| **w > 0.0).sum();
+        if !(total > 0.0 && total.is_finite()) {
+            return None;
+        }
+        let rng = &mut self.rng;
+        let mut best: Option<(usize, f64)> = None;
+        for (i, (&k, &w)) in candidates.iter().zip(weights).enumerate() {
+            let w = w.max(0.0);
+            // A random credit of up to one cycle: at most one microbatch ahead or behind.
+            let credit = self
+                .credit
+                .entry(k)
+                .or_insert_with(|| rng.next_f64() * total);
+            *credit += w;
+            if w > 0.0 && best.is_none_or(|(_, most)| *credit > most) {
+                best = Some((i, *credit));
+            }
+        }
+        let (i, _) = best?;
+        if let Some(c) = self.credit.get_mut(&candidates[i]) {
+            *c -= total;
+        }
+        Some(i)
     }
 }
 
@@ -486,10 +546,10 @@ mod tests {
         m.update(PeerKey(1), announcement(1, 30.0, 0), now);
         m.update(PeerKey(2), announcement(1, 10.0, 0), now);
         m.update(PeerKey(3), announcement(2, 99.0, 0), now);
-        let mut rng = SeededRng::new(7);
+        let mut dealer = Dealer::new(7);
         let mut counts = [0u32; 3];
         for _ in 0..20_000 {
-            let k = m.route(1, None, Routing::Weighted, &mut rng).unwrap();
+            let k = m.route(1, None, Routing::Weighted, &mut dealer).unwrap();
             counts[k.0 as usize - 1] += 1;
         }
         assert_eq!(counts[2], 0, "never routes to another stage");
@@ -510,18 +570,51 @@ mod tests {
         // Retries avoid the previous replica when another exists.
         for _ in 0..100 {
             assert_eq!(
-                m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut rng),
+                m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut dealer),
                 Some(PeerKey(2))
             );
         }
         // A gone peer gets nothing.
         m.remove(PeerKey(2));
         assert_eq!(
-            m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut rng),
+            m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut dealer),
             Some(PeerKey(1))
         );
         m.remove(PeerKey(1));
-        assert_eq!(m.route(1, None, Routing::Weighted, &mut rng), None);
+        assert_eq!(m.route(1, None, Routing::Weighted, &mut dealer), None);
+    }
+
+    #[test]
+    fn microbatches_are_dealt_as_evenly_as_the_weights_allow() {
+        let mut m = Membership::default();
+        for (k, throughput) in [(1, 30.0), (2, 10.0), (3, 20.0)] {
+            m.update(PeerKey(k), announcement(1, throughput, 0), Duration::ZERO);
+        }
+        for seed in 0..20 {
+            let mut dealer = Dealer::new(seed);
+            let mut counts = [0i64; 3];
+            for n in 1..=600i64 {
+                let k = m.route(1, None, Routing::Weighted, &mut dealer).unwrap();
+                counts[k.0 as usize - 1] += 1;
+                // Never more than one microbatch (plus the random start) from its proportion,
+                // at any point: random picks drift by the square root of the count.
+                for (i, share) in [3, 1, 2].into_iter().enumerate() {
+                    let expected = n * share / 6;
+                    assert!(
+                        (counts[i] - expected).abs() <= 2,
+                        "seed {seed}, after {n}: {counts:?}"
+                    );
+                }
+            }
+        }
+        // Senders start at different points of the cycle.
+        let firsts: std::collections::BTreeSet<PeerKey> = (0..20)
+            .map(|seed| {
+                m.route(1, None, Routing::Weighted, &mut Dealer::new(seed))
+                    .unwrap()
+            })
+            .collect();
+        assert!(firsts.len() > 1, "{firsts:?}");
     }
 
     #[test]
@@ -529,9 +622,9 @@ mod tests {
         let mut m = Membership::default();
         m.update(PeerKey(1), announcement(1, 30.0, 0), Duration::ZERO);
         m.update(PeerKey(2), announcement(1, 10.0, 0), Duration::ZERO);
-        let mut rng = SeededRng::new(7);
+        let mut dealer = Dealer::new(7);
         let fast = (0..20_000)
-            .filter(|_| m.route(1, None, Routing::Uniform, &mut rng) == Some(PeerKey(1)))
+            .filter(|_| m.route(1, None, Routing::Uniform, &mut dealer) == Some(PeerKey(1)))
             .count();
         let share = fast as f64 / 20_000.0;
         assert!((share - 0.5).abs() < 0.02, "uniform: {share}");

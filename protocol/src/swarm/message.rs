@@ -135,8 +135,6 @@ pub struct Forward {
     pub rows: u32,
     /// The peers it passed, from the data driver on.
     pub route: Vec<PeerKey>,
-    /// Next-token targets, carried to the last stage.
-    pub targets: Vec<u32>,
     /// Encoded activations.
     #[serde(with = "serde_bytes")]
     pub activations: Vec<u8>,

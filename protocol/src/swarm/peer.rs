@@ -18,7 +18,7 @@ use super::coordinator::{Settings, StepCoordinator};
 use super::driver::Driver;
 use super::exports::StateExports;
 pub use super::interface::{Action, ComputeDone, Event, Input, Job, Output, PeerStats, Resume};
-use super::membership::{Membership, Placement, Routing, Standing};
+use super::membership::{Dealer, Membership, Placement, Routing, Standing};
 use super::message::{Announcement, MemberState, Message, StateChunk};
 use super::outbox::Outbox;
 use super::role::{self, ChunkOutcome, Phase, Role};
@@ -29,6 +29,9 @@ use super::{PeerKey, SeededRng};
 use std::time::Duration;
 
 mod microbatch;
+
+/// Announcements an accusation outlasts at least (see [`Bans::new`]).
+const ACCUSATION_ANNOUNCEMENTS: u32 = 4;
 
 /// One peer of a run.
 #[derive(Debug)]
@@ -47,6 +50,8 @@ pub struct Peer {
     announced_throughput: f64,
     next_announce: Duration,
     rng: SeededRng,
+    /// Deals this peer's microbatches out to the next stage's replicas.
+    dealer: Dealer,
     members: Membership,
     role: Role,
     driver: Driver,
@@ -75,6 +80,7 @@ impl Peer {
     ) -> Self {
         let mut rng = SeededRng::new(seed ^ me.0.rotate_left(17));
         let incarnation = rng.next_u64();
+        let dealer = Dealer::new(rng.next_u64());
         let settings = Settings::of(me, &config, costs.params.clone(), timing);
         let mut peer = Peer {
             me,
@@ -86,13 +92,14 @@ impl Peer {
             announced_throughput: 0.0,
             next_announce: now,
             rng,
+            dealer,
             members: Membership::default(),
             role: Role::joining(&timing, now),
             driver: Driver::new(seed.rotate_left(29) ^ me.0 ^ 0xD121_7E55_A77E_4D15, now),
             server: StageServer::default(),
             steps: StepCoordinator::new(settings, config.codecs.averaging, now),
             exports: StateExports::new(timing.transfer_timeout),
-            bans: Bans::default(),
+            bans: Bans::new(timing.announce_every * ACCUSATION_ANNOUNCEMENTS),
             attack: None,
             finish_reported: false,
             out: Outbox::new(me),
@@ -331,7 +338,7 @@ impl Peer {
             .drain_round(&mut self.out, stage, &self.members, now);
         if !self.out.evidence.is_empty() {
             let evidence = std::mem::take(&mut self.out.evidence);
-            for peer in self.bans.observe(&evidence) {
+            for peer in self.bans.observe(&evidence, now) {
                 self.judge(peer, now);
             }
         }
@@ -528,11 +535,7 @@ impl Peer {
         let running = self.out.jobs.finished(now);
         match done {
             ComputeDone::Ready { hash } => self.on_ready(hash, now),
-            ComputeDone::Forward {
-                id,
-                output,
-                targets,
-            } => self.on_forward_done(id, output, targets, now),
+            ComputeDone::Forward { id, output } => self.on_forward_done(id, output, now),
             ComputeDone::Backward { id, grad } => self.on_backward_done(id, grad, now),
             ComputeDone::Gradient {
                 mut values,

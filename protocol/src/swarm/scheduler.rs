@@ -156,8 +156,8 @@ mod tests {
         Job::Forward {
             id,
             rows: 1,
-            input: Input::Sample { index: 0 },
-            targets: None,
+            sample: 0,
+            input: Input::Tokens,
         }
     }
 

@@ -29,8 +29,6 @@ pub(super) struct Hop {
     round: u64,
     route: Vec<PeerKey>,
     rows: u32,
-    /// Next-token targets to carry on (empty at the last stage, which used them).
-    targets: Vec<u32>,
     /// Where its activations went.
     next: Option<PeerKey>,
     backward_done: bool,
@@ -68,8 +66,6 @@ pub(super) struct ForwardHeader {
     pub route: Vec<PeerKey>,
     /// Samples in it.
     pub rows: u32,
-    /// Next-token targets, for the last stage.
-    pub targets: Vec<u32>,
     /// Its first sample.
     pub sample: u64,
     /// The round it counts toward.
@@ -99,8 +95,6 @@ pub(super) struct Serving {
     pub round: Option<u64>,
     /// Samples in the largest microbatch.
     pub microbatch: u32,
-    /// Tokens per sample.
-    pub seq: u32,
     /// Activation values per sample at a stage boundary.
     pub activation_values: usize,
     /// How long a record lives without news from its driver.
@@ -174,10 +168,7 @@ impl StageServer {
         // the run's, a repeated attempt id.
         let forged = if f.route.last() != Some(&from) {
             Some("a forward pass whose route does not end with its sender")
-        } else if f.rows == 0
-            || f.rows > at.microbatch
-            || f.targets.len() != f.rows as usize * at.seq as usize
-        {
+        } else if f.rows == 0 || f.rows > at.microbatch {
             Some("a forward pass of a size outside the run's")
         } else if self.hops.contains_key(&f.id) {
             Some("a forward pass repeating an attempt id")
@@ -229,11 +220,6 @@ impl StageServer {
             out.send(driver, Message::Reject { id: f.id });
             return Arrival::Rejected;
         }
-        let (job_targets, hop_targets) = if at.last {
-            (Some(f.targets), Vec::new())
-        } else {
-            (None, f.targets)
-        };
         self.hops.insert(
             f.id,
             Hop {
@@ -241,7 +227,6 @@ impl StageServer {
                 round: f.round,
                 route: f.route,
                 rows: f.rows,
-                targets: hop_targets,
                 next: None,
                 backward_done: false,
                 loss: None,
@@ -251,8 +236,8 @@ impl StageServer {
         out.compute(Job::Forward {
             id: f.id,
             rows: f.rows,
+            sample: f.sample,
             input: Input::Activations(acts),
-            targets: job_targets,
         });
         Arrival::Running
     }
@@ -274,20 +259,14 @@ impl StageServer {
     }
 
     /// What a hop's activations carry on: its route with this peer appended, its samples,
-    /// targets (those the forward job read, or the ones it carried), sample and round.
-    pub fn forwarding(
-        &self,
-        me: PeerKey,
-        attempt: u64,
-        targets: Option<Vec<u32>>,
-    ) -> Option<ForwardHeader> {
+    /// sample and round.
+    pub fn forwarding(&self, me: PeerKey, attempt: u64) -> Option<ForwardHeader> {
         let h = self.hops.get(&attempt)?;
         let mut route = h.route.clone();
         route.push(me);
         Some(ForwardHeader {
             route,
             rows: h.rows,
-            targets: targets.unwrap_or_else(|| h.targets.clone()),
             sample: h.sample,
             round: h.round,
         })
@@ -530,7 +509,6 @@ mod tests {
             last: false,
             round: Some(3),
             microbatch: 2,
-            seq: 3,
             activation_values: 4,
             hop_lifetime: Duration::from_secs(1),
             max_hops: 64,
@@ -545,7 +523,6 @@ mod tests {
             round,
             rows: 2,
             route: vec![DRIVER, PREV],
-            targets: vec![0; 6],
             activations: acts,
         }
     }
@@ -562,10 +539,6 @@ mod tests {
             Forward {
                 rows: 3,
                 ..forward(2, 3)
-            },
-            Forward {
-                targets: vec![0; 5],
-                ..forward(3, 3)
             },
             Forward {
                 activations: vec![1, 2, 3],
@@ -590,7 +563,7 @@ mod tests {
             Arrival::Rejected
         );
         let rejected: Vec<Message> = sends(&mut out).into_iter().map(|s| s.1).collect();
-        assert_eq!(rejected.len(), 5);
+        assert_eq!(rejected.len(), 4);
         assert!(jobs(&mut out).is_empty());
         // A good one runs; its id cannot be used twice.
         let at = serving();

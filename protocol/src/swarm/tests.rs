@@ -124,10 +124,13 @@ impl ToyStage {
                     .collect(),
             },
             Job::Forward {
-                id, rows, input, ..
+                id,
+                rows,
+                sample,
+                input,
             } => {
                 let sample = match input {
-                    Input::Sample { index } => index,
+                    Input::Tokens => sample,
                     Input::Activations(a) => a[..6]
                         .iter()
                         .rev()
@@ -147,18 +150,14 @@ impl ToyStage {
                 } else {
                     Output::Activations(acts)
                 };
-                let targets =
-                    matches!(output, Output::Activations(_)).then(|| vec![0; rows as usize * 3]);
-                ComputeDone::Forward {
-                    id,
-                    output,
-                    targets,
-                }
+                ComputeDone::Forward { id, output }
             }
             Job::Backward { id, rows, .. } => {
                 let sample = self.sample_of.get(&id).copied().unwrap_or(0);
+                // Never all zero (a sample that is a multiple of 7 made a share with samples
+                // but no values, which no real gradient is, and got its replica accused).
                 let g: Vec<f32> = (0..PARAMS)
-                    .map(|i| ((sample.wrapping_mul(i as u64 + 1) % 7) as f32) * rows as f32)
+                    .map(|i| ((1 + sample.wrapping_mul(i as u64 + 1) % 7) as f32) * rows as f32)
                     .collect();
                 self.pending.insert(id, (g, rows));
                 let grad = (self.stage > 0).then(|| vec![0.5; rows as usize * ACTS_PER_ROW]);

@@ -198,7 +198,6 @@ impl Exercise {
                 } else {
                     Output::Activations(vec![0.5; rows as usize * ACTS_PER_ROW])
                 },
-                targets: (!last).then(|| vec![0; rows as usize * 3]),
             },
             Job::Backward { id, rows, .. } => ComputeDone::Backward {
                 id,
@@ -270,7 +269,6 @@ impl Exercise {
                     .map(|_| PeerKey(b.u8() as u64 % 8))
                     .chain([from])
                     .collect(),
-                targets: vec![0; n],
                 activations: tensor(&vec![0.5; n], poison),
             }),
             2 => Message::Backward(Backward {

@@ -31,7 +31,6 @@ impl Peer {
             last: self.is_last_stage(),
             round: self.allreduce().then(|| self.steps.round()),
             microbatch: self.config.microbatch,
-            seq: self.config.seq,
             activation_values: self.costs.activation_values,
             hop_lifetime: self.hop_lifetime(),
             max_hops: self.max_hops(),
@@ -122,13 +121,7 @@ impl Peer {
         }
     }
 
-    pub(super) fn on_forward_done(
-        &mut self,
-        id: u64,
-        output: Output,
-        targets: Option<Vec<u32>>,
-        now: Duration,
-    ) {
+    pub(super) fn on_forward_done(&mut self, id: u64, output: Output, now: Duration) {
         let activations = match output {
             Output::Activations(a) => a,
             Output::Loss(loss) => {
@@ -152,18 +145,11 @@ impl Peer {
         let own = self.driver.entry(id).map(|e| ForwardHeader {
             route: vec![self.me],
             rows: e.rows,
-            targets: Vec::new(),
             sample: e.sample,
             round: e.round,
         });
         let owned = own.is_some();
-        let header = match own {
-            Some(h) => Some(ForwardHeader {
-                targets: targets.unwrap_or_default(),
-                ..h
-            }),
-            None => self.server.forwarding(self.me, id, targets),
-        };
+        let header = own.or_else(|| self.server.forwarding(self.me, id));
         let Some(h) = header else {
             // Aborted meanwhile.
             self.out.compute(Job::Abort { id });
@@ -173,7 +159,7 @@ impl Peer {
         let avoid = self.driver.previous_hop(id);
         let next = self
             .members
-            .route(next_stage, avoid, self.routing, &mut self.rng);
+            .route(next_stage, avoid, self.routing, &mut self.dealer);
         let codec = self.config.codecs.activations;
         let encoded = next.and_then(|_| self.server.encode(&mut self.out, codec, &activations));
         let (Some(next), Some(activations)) = (next, encoded) else {
@@ -200,7 +186,6 @@ impl Peer {
                 round: h.round,
                 rows: h.rows,
                 route: h.route,
-                targets: h.targets,
                 activations,
             }),
         );

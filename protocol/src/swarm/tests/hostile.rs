@@ -157,11 +157,10 @@ impl Attacker {
                     _ => None,
                 })?;
                 f.route.push(ATTACKER);
-                match self.below(5) {
+                match self.below(4) {
                     0 => f.round = self.big(),
                     1 => f.rows = [0, u32::MAX, f.rows * 2][self.below(3)],
                     2 => f.activations = self.bad_tensor(f.rows as usize * ACTS_PER_ROW),
-                    3 => f.targets = vec![u32::MAX; 1000],
                     _ => f.activations.truncate(f.activations.len() / 2),
                 }
                 (to, Message::Forward(f), "forward forged")
