@@ -170,21 +170,20 @@ impl<B: Backend> StageWorker<B> {
                     seq: self.config.seq as usize,
                 };
                 let last = self.serving()?.spec().is_last();
-                // Tokens are read only where they are needed: inputs at the first stage,
+                // The data is read only where it is needed: inputs at the first stage,
                 // targets at the last.
-                let read = match (&input, last) {
-                    (Input::Tokens, _) | (Input::Activations(_), true) => {
+                let (inputs, targets) = match (&input, last) {
+                    (Input::Activations(_), false) => (Vec::new(), None),
+                    _ => {
                         let corpus = self.corpus.as_ref().ok_or("no data on this peer")?;
-                        Some(read_samples(corpus, &self.config, sample, rows))
+                        let (inputs, targets) = read_samples(corpus, &self.config, sample, rows);
+                        (inputs, last.then_some(targets))
                     }
-                    (Input::Activations(_), false) => None,
                 };
-                let (inputs, targets) = read.unzip();
                 let stage_input = match &input {
-                    Input::Tokens => StageInput::Tokens(inputs.as_deref().unwrap_or_default()),
+                    Input::Tokens => StageInput::Tokens(&inputs),
                     Input::Activations(acts) => StageInput::Activations(acts),
                 };
-                let targets = targets.filter(|_| last);
                 let out = self
                     .serving()?
                     .forward(id, shape, stage_input, targets.as_deref())

@@ -174,10 +174,8 @@ pub struct Ban {
 pub struct Bans {
     /// What this peer saw of each member of its stage lately.
     seen: BTreeMap<PeerKey, Record>,
-    /// Whom this peer accuses (announced with every announcement).
-    accusing: BTreeMap<PeerKey, Misconduct>,
-    /// When each accusation was made.
-    accused_at: BTreeMap<PeerKey, Duration>,
+    /// Whom this peer accuses (announced with every announcement), why, and since when.
+    accusing: BTreeMap<PeerKey, (Misconduct, Duration)>,
     /// How long an accusation stands at least, whatever the evidence does meanwhile.
     hold: Duration,
     /// Banned peers (looked up on every message).
@@ -208,7 +206,7 @@ impl Bans {
     pub fn accusations(&self) -> Vec<Accusation> {
         self.accusing
             .iter()
-            .map(|(&peer, &why)| Accusation { peer, why })
+            .map(|(&peer, &(why, _))| Accusation { peer, why })
             .collect()
     }
 
@@ -248,24 +246,18 @@ impl Bans {
             let verdict = self.seen.get(&peer).and_then(Record::verdict);
             let before = self.accusing.get(&peer).copied();
             match verdict {
-                Some(why) if before != Some(why) => {
+                Some(why) if before.map(|(w, _)| w) != Some(why) => {
                     if self.accusing.len() >= MAX_ACCUSATIONS && before.is_none() {
                         self.make_room();
                     }
                     if self.accusing.len() < MAX_ACCUSATIONS || before.is_some() {
-                        self.accusing.insert(peer, why);
-                        self.accused_at.entry(peer).or_insert(now);
+                        let since = before.map_or(now, |(_, since)| since);
+                        self.accusing.insert(peer, (why, since));
                         changed.push(peer);
                     }
                 }
-                None if before.is_some()
-                    && self
-                        .accused_at
-                        .get(&peer)
-                        .is_none_or(|&at| now >= at + self.hold) =>
-                {
+                None if before.is_some_and(|(_, since)| now >= since + self.hold) => {
                     self.accusing.remove(&peer);
-                    self.accused_at.remove(&peer);
                     changed.push(peer);
                 }
                 _ => {}
@@ -283,7 +275,6 @@ impl Bans {
             .find(|k| self.accusing.contains_key(k))
         {
             self.accusing.remove(&k.clone());
-            self.accused_at.remove(&k.clone());
         }
     }
 
@@ -292,7 +283,6 @@ impl Bans {
         self.seen.remove(&peer);
         if !self.is_banned(peer) {
             self.accusing.remove(&peer);
-            self.accused_at.remove(&peer);
         }
     }
 
@@ -319,7 +309,7 @@ impl Bans {
         let mut votes: BTreeMap<Misconduct, usize> = BTreeMap::new();
         for &r in &replicas {
             let why = if r == me {
-                self.accusing.get(&accused).copied()
+                self.accusing.get(&accused).map(|&(why, _)| why)
             } else {
                 members.get(r).and_then(|m| {
                     m.announcement
@@ -350,8 +340,11 @@ impl Bans {
         }
         self.banned_order.push_back(accused);
         self.banned.insert(accused);
-        // Keep accusing it, so that peers that have not yet banned it still can.
-        self.accusing.entry(accused).or_insert(why);
+        // Keep accusing it, so that peers that have not yet banned it still can (the
+        // accusation of a banned peer is never withdrawn, so when it was made does not matter).
+        self.accusing
+            .entry(accused)
+            .or_insert((why, Duration::ZERO));
         Some(Ban {
             peer: accused,
             why,
