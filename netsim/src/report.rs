@@ -71,11 +71,6 @@ pub struct Report {
     pub banned: Vec<(f64, usize, String)>,
     /// Honest peers that an honest peer banned (must be 0).
     pub false_bans: usize,
-    /// Sybil identities the attackers ran (`sybil:N`).
-    pub sybils: usize,
-    /// Sybils that some honest peer counted at the end as a replica it saw work (and so let
-    /// vote, lead a round or be waited for): must be 0.
-    pub sybils_counted: usize,
     /// Honest replicas alive at the end that hold a parameter or optimizer value that is not
     /// finite (real compute).
     pub nonfinite_replicas: usize,
@@ -192,16 +187,6 @@ impl Report {
                 &mut out,
                 "banned",
                 format!("{} ({} honest)", bans.join(", "), self.false_bans),
-            );
-        }
-        if self.sybils > 0 {
-            row(
-                &mut out,
-                "sybils",
-                format!(
-                    "{}, {} counted by an honest peer",
-                    self.sybils, self.sybils_counted
-                ),
             );
         }
         if !self.attackers.is_empty() {

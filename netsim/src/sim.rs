@@ -97,9 +97,6 @@ struct SimPeer {
     timer: Option<u64>,
     /// Whether it misbehaves at some point of the run (see [`Attack`]).
     attacker: bool,
-    /// The identities it runs beside its own (`sybil:N`): they announce from its link and
-    /// drop whatever is sent to them.
-    sybils: Vec<PeerKey>,
 }
 
 impl SimPeer {
@@ -140,12 +137,10 @@ enum Ev {
     Join(usize),
     /// A scripted event.
     Script(usize),
-    /// A message arrives from the peer whose link carried it (`from`), sent by `sender`: its
-    /// own key, or one of its sybils'.
+    /// A message arrives.
     Deliver {
         to: usize,
         from: usize,
-        sender: PeerKey,
         msg: Message,
     },
     /// A send failed (the receiver is unreachable and the connection timed out).
@@ -226,8 +221,6 @@ pub struct Sim {
     queue: BinaryHeap<Scheduled>,
     peers: Vec<SimPeer>,
     by_key: BTreeMap<PeerKey, usize>,
-    /// Sybil identities, by key, with the peer that runs them.
-    sybil_of: BTreeMap<PeerKey, usize>,
     next_side: u32,
     trace: Xxh3Default,
     events: u64,
@@ -273,7 +266,6 @@ impl Sim {
             queue: BinaryHeap::new(),
             peers: Vec::new(),
             by_key: BTreeMap::new(),
-            sybil_of: BTreeMap::new(),
             next_side: 1,
             trace: Xxh3Default::new(),
             events: 0,
@@ -382,22 +374,18 @@ impl Sim {
                 self.join(&group)?;
             }
             Ev::Script(i) => self.script(i)?,
-            Ev::Deliver {
-                to,
-                from,
-                sender,
-                msg,
-            } => {
+            Ev::Deliver { to, from, msg } => {
                 if !self.peers[to].alive() {
                     return Ok(());
                 }
                 if self.peers[to].side != self.peers[from].side {
                     // Cut off in flight: the sender learns when its connection times out.
                     let cut = self.peers[to].side_since.max(self.peers[from].side_since);
-                    self.fail_send(from, to, None, cut);
+                    self.fail_send(from, to, cut);
                     return Ok(());
                 }
-                self.peers[to].machine.handle_message(sender, msg, now);
+                let key = self.peers[from].key;
+                self.peers[to].machine.handle_message(key, msg, now);
                 self.after(to);
             }
             Ev::SendFailed { peer, to } => {
@@ -480,14 +468,6 @@ impl Sim {
             };
             let index = self.peers.len();
             self.by_key.insert(key, index);
-            // Drawn from its own key, as its noise is.
-            let mut keys = SeededRng::new(key.0 ^ 0x5b11);
-            let sybils: Vec<PeerKey> = (0..machine.sybils())
-                .map(|_| PeerKey(keys.next_u64()))
-                .collect();
-            for s in &sybils {
-                self.sybil_of.insert(*s, index);
-            }
             self.peers.push(SimPeer {
                 key,
                 machine,
@@ -502,7 +482,6 @@ impl Sim {
                 busy_total: 0.0,
                 timer: None,
                 attacker: group.behavior != Behavior::Honest,
-                sybils,
             });
             self.after(index);
         }
@@ -621,32 +600,16 @@ impl Sim {
         (self.peers[a].link.latency + self.peers[b].link.latency) / 2.0
     }
 
-    /// Tells `from` that a send to `to` (or to `sybil`, one of its sybils) failed, once its
-    /// connection has timed out.
-    fn fail_send(&mut self, from: usize, to: usize, sybil: Option<PeerKey>, cut_at: f64) {
+    /// Tells `from` that a send to `to` failed, once its connection has timed out.
+    fn fail_send(&mut self, from: usize, to: usize, cut_at: f64) {
         let at = (self.now_s() + 2.0 * self.latency(from, to))
             .max(cut_at + self.setup.sim.idle_timeout_s);
-        let to = sybil.unwrap_or(self.peers[to].key);
+        let to = self.peers[to].key;
         self.schedule(ns(at), Ev::SendFailed { peer: from, to });
     }
 
     /// Sends `msg` from `from` to `to` through the link model.
     fn send(&mut self, from: usize, to: usize, msg: Message) {
-        let sender = self.peers[from].key;
-        self.send_as(from, sender, to, msg, None);
-    }
-
-    /// Sends `msg` through `from`'s link as `sender` (`from`'s key or one of its sybils') to
-    /// `to`, or to `sybil`, one of `to`'s sybils (it takes the link's time, and nothing more
-    /// happens).
-    fn send_as(
-        &mut self,
-        from: usize,
-        sender: PeerKey,
-        to: usize,
-        msg: Message,
-        sybil: Option<PeerKey>,
-    ) {
         let env = Envelope { run: self.run, msg };
         let bytes = (env.to_bytes().len() + FRAME_HEADER_LEN) as u64;
         *self.bytes.entry(env.msg.traffic()).or_default() += bytes;
@@ -656,7 +619,7 @@ impl Sim {
                 Some(t) => t,
                 None => self.peers[to].side_since.max(self.peers[from].side_since),
             };
-            self.fail_send(from, to, sybil, cut);
+            self.fail_send(from, to, cut);
             return;
         }
         let now = self.now_s();
@@ -664,35 +627,22 @@ impl Sim {
             let (a, b) = pair(&mut self.peers, from, to);
             deliver(now, bytes, &mut a.link, &mut b.link)
         };
-        if sybil.is_none() {
-            self.schedule(
-                ns(at),
-                Ev::Deliver {
-                    to,
-                    from,
-                    sender,
-                    msg: env.msg,
-                },
-            );
-        }
+        self.schedule(
+            ns(at),
+            Ev::Deliver {
+                to,
+                from,
+                msg: env.msg,
+            },
+        );
     }
 
-    /// Gossips an announcement to every peer `from` can reach, and its sybils' (if it runs
-    /// any and attacks now).
+    /// Gossips an announcement to every peer `from` can reach.
     fn gossip(&mut self, from: usize, a: shoal_protocol::swarm::Announcement) {
-        let sybil = self.peers[from].machine.sybil_announcement(&a);
-        let mut senders = vec![(self.peers[from].key, a)];
-        if let Some(s) = sybil {
-            senders.extend(self.peers[from].sybils.iter().map(|k| (*k, s.clone())));
-        }
-        for (sender, a) in senders {
-            for to in 0..self.peers.len() {
-                if to != from
-                    && self.peers[to].alive()
-                    && self.peers[to].side == self.peers[from].side
-                {
-                    self.send_as(from, sender, to, Message::Announce(a.clone()), None);
-                }
+        for to in 0..self.peers.len() {
+            if to != from && self.peers[to].alive() && self.peers[to].side == self.peers[from].side
+            {
+                self.send(from, to, Message::Announce(a.clone()));
             }
         }
     }
@@ -703,11 +653,6 @@ impl Sim {
             match action {
                 Action::Send { to, msg } => match self.by_key.get(&to) {
                     Some(&j) if j != i => self.send(i, j, msg),
-                    None if self.sybil_of.get(&to).is_some_and(|&j| j != i) => {
-                        let j = self.sybil_of[&to];
-                        let sender = self.peers[i].key;
-                        self.send_as(i, sender, j, msg, Some(to));
-                    }
                     _ => {
                         // Nobody by that key: the node would fail to open a stream.
                         self.schedule(self.now + 1_000_000, Ev::SendFailed { peer: i, to });

@@ -245,8 +245,8 @@ fn joiners(count: u32, at_s: f64) -> String {
     )
 }
 
-/// The attacks that hide in the honest spread, work on data, withhold, target roles and
-/// claims rather than shares, or stuff votes with identities that do no work: each leaves the honest replicas finite and in agreement, bans
+/// The attacks that hide in the honest spread, work on data, withhold, or target roles and
+/// claims rather than shares: each leaves the honest replicas finite and in agreement, bans
 /// no honest peer, finishes, and costs the loss little. Two peers join at 2.3 s.
 #[test]
 fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
@@ -263,7 +263,6 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
         "lie-throughput",
         "forge-hash",
         "poison-catch-up",
-        "sybil:8",
     ] {
         let r = run(&with_joiners(behavior), 1);
         let table = r.table();
@@ -281,11 +280,6 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
             assert_eq!(r.false_bans, 0, "{behavior}: {table}");
         }
         let banned: Vec<usize> = r.banned.iter().map(|b| b.1).collect();
-        if behavior == "sybil:8" {
-            // Eight keys each, more than the stage's honest replicas: none is ever counted in
-            // a vote, a round or the step's share, as none was seen at work.
-            assert_eq!((r.sybils, r.sybils_counted), (16, 0), "{table}");
-        }
         match behavior {
             // Its followers see it leave them out (or, for `nan`, see its share and part never
             // come), pass it over and accuse it.

@@ -126,11 +126,6 @@ impl Sim {
             }
         }
         let honest_agree = last.values().all(|(_, hashes)| hashes.len() == 1);
-        let sybils_counted = self
-            .sybil_of
-            .keys()
-            .filter(|k| honest().any(|p| p.machine.members().get(**k).is_some_and(|m| m.worked)))
-            .count();
         let attackers = (0..self.peers.len())
             .filter(|i| self.peers[*i].attacker())
             .collect();
@@ -171,8 +166,6 @@ impl Sim {
             violations: self.violations,
             attackers,
             banned: self.banned,
-            sybils: self.sybil_of.len(),
-            sybils_counted,
             false_bans,
             nonfinite_replicas,
             honest_agree,

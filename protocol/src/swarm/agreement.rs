@@ -9,7 +9,7 @@
 use super::PeerKey;
 use super::interface::Event;
 use super::membership::Membership;
-use super::message::Message;
+use super::message::{MemberState, Message};
 use super::norms;
 use super::outbox::Outbox;
 use super::server::decode;
@@ -210,19 +210,17 @@ impl CatchUp {
     }
 }
 
-/// The parameter hash more than half of the voters of `stage` announce for `round`, if there
-/// is one. The voters are the replicas this peer has seen work there (an identity costs
-/// nothing to make; see [`super::membership::Member::worked`]); a peer that has seen none of
-/// them (a joiner yet to take part) counts every replica that announces itself, which
-/// identities that only announce can outvote, but only to keep a state out, not to get one in
-/// (the vote after the next round corrects a state let in).
+/// The parameter hash more than half of the serving replicas of `stage` announce for
+/// `round`, if there is one.
 pub(super) fn majority_hash(members: &Membership, stage: u32, round: u64) -> Option<u64> {
-    let voters = members.voters(stage);
+    let mut serving = 0;
     let mut votes: Vec<(u64, usize)> = Vec::new();
-    for k in &voters {
-        let Some(a) = members.get(*k).map(|m| &m.announcement) else {
+    for (_, m) in members.iter() {
+        let a = &m.announcement;
+        if a.state != MemberState::Serving || a.stage != Some(stage) {
             continue;
-        };
+        }
+        serving += 1;
         if let Some(h) = a.params_hash.filter(|_| a.round == round) {
             match votes.iter_mut().find(|(v, _)| *v == h) {
                 Some((_, n)) => *n += 1,
@@ -232,19 +230,17 @@ pub(super) fn majority_hash(members: &Membership, stage: u32, round: u64) -> Opt
     }
     votes
         .into_iter()
-        .find(|(_, n)| 2 * n > voters.len())
+        .find(|(_, n)| 2 * n > serving)
         .map(|(h, _)| h)
 }
 
 /// The hash vote, seen from a replica at `round` of `stage` whose parameters hash to `mine`
-/// when `from` announces `theirs` for the same round: this replica loses if fewer voters at
-/// this round hold its hash than the other (itself counted), or as many, every voter has
-/// announced this round (no vote is still to come) and the other side has the smaller key.
-/// The voters are the replicas this peer has seen work at the stage; a replica it has not seen
-/// work (an identity that only announces) neither votes nor wins. The loser downloads the
-/// winner's state. Without the tie rule the first announcement of a round to arrive would win
-/// a tie of one against one, however many replicas were still to announce the majority's
-/// hash.
+/// when `from` announces `theirs` for the same round: this replica loses if fewer serving
+/// replicas at this round hold its hash than the other (itself counted), or as many, every
+/// serving replica of the stage has announced this round (no vote is still to come) and the
+/// other side has the smaller key. The loser downloads the winner's state. Without the second
+/// condition the first announcement of a round to arrive would win a tie of one against one,
+/// however many replicas were still to announce the majority's hash.
 pub(super) fn outvoted(
     members: &Membership,
     me: PeerKey,
@@ -254,14 +250,12 @@ pub(super) fn outvoted(
     theirs: u64,
     mine: u64,
 ) -> bool {
-    if !members.get(from).is_some_and(|m| m.works_for(stage)) {
-        return false;
-    }
     let (mut for_theirs, mut for_mine, mut to_come) = (0, 1, 0);
-    for k in members.workers(stage) {
-        let Some(a) = members.get(k).map(|m| &m.announcement) else {
+    for (_, m) in members.iter() {
+        let a = &m.announcement;
+        if a.state != MemberState::Serving || a.stage != Some(stage) {
             continue;
-        };
+        }
         if a.round != round || a.params_hash.is_none() {
             to_come += 1;
         } else if a.params_hash == Some(theirs) {
@@ -426,31 +420,5 @@ mod tests {
             vote_at(&settled, 0),
             "two to two, all announced, smaller key"
         );
-    }
-
-    /// Identities never seen working (sybils) neither vote nor win a hash vote, and do not
-    /// decide which state a replica takes; a joiner that has seen no replica work counts
-    /// every announced one.
-    #[test]
-    fn replicas_never_seen_working_do_not_vote() {
-        let mut m = members(&[(8, 1, 0, 7), (6, 1, 0, 7)]);
-        for k in 10..20 {
-            m.update(PeerKey(k), at_round(1, 0, Some(3)), Duration::ZERO);
-        }
-        assert!(!outvoted(&m, ME, 1, 0, PeerKey(10), 3, 7), "ten sybils");
-        assert_eq!(majority_hash(&m, 1, 0), Some(7));
-        // Once they work, they vote: three to three (this replica counted) is a tie the
-        // smaller key wins, four to three a loss.
-        for k in 10..13 {
-            m.witness(PeerKey(k), true);
-        }
-        assert!(!outvoted(&m, ME, 1, 0, PeerKey(10), 3, 7));
-        m.witness(PeerKey(13), true);
-        assert!(outvoted(&m, ME, 1, 0, PeerKey(10), 3, 7), "four to three");
-        let mut joiner = Membership::default();
-        for (k, h) in [(1, 7), (2, 7), (3, 3)] {
-            joiner.update(PeerKey(k), at_round(1, 0, Some(h)), Duration::ZERO);
-        }
-        assert_eq!(majority_hash(&joiner, 1, 0), Some(7));
     }
 }

@@ -7,17 +7,15 @@
 //!
 //! The attacks act in three places: the contribution the device computed for an averaging
 //! round ([`Attack::contribution`]); its role in a round, as the owner of a part it negates
-//! for the others, applying what they apply so that it stays in step with them
+//! for everyone, itself included, so that it stays in step with the replicas it poisons
 //! ([`Attack::forges_parts`]) or as a leader that leaves the others out
 //! ([`Attack::excludes_others`]); and the messages, announcements and compute jobs it hands
 //! out ([`Attack::outgoing`]). A state it serves is poisoned by its owner, which knows the
 //! state's layout ([`Attack::poisons_state`]).
 
-use super::PeerKey;
 use super::SeededRng;
-use super::bans::MAX_ACCUSATIONS;
 use super::interface::{Action, Input, Job};
-use super::message::{Accusation, Announcement, Message, Misconduct};
+use super::message::Message;
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -52,8 +50,7 @@ pub enum Behavior {
     /// stage toward them. (A driver cannot mislabel: targets do not travel, the last stage
     /// reads them from the sample.)
     LabelFlip,
-    /// Negates the averaged part it owns, the part every replica applies (it applies what
-    /// they do: nothing, since they refuse a negated part; so it stays in step).
+    /// Negates the averaged part it owns (the part every replica applies, itself included).
     BadPart,
     /// As a round's leader, starts the round with itself alone: the others are left out.
     BadLeader,
@@ -65,11 +62,6 @@ pub enum Behavior {
     PoisonCatchUp,
     /// Serves joiners a state with its parameters negated (well-formed, with a valid hash).
     PoisonState,
-    /// Runs this many more identities (sybils) from its machine, which cost it nothing but a
-    /// key each: they announce themselves as replicas of its stage at its round, vote for a
-    /// parameter hash nobody holds, accuse every replica it knows, and drop whatever is sent to
-    /// them. It computes honestly itself.
-    Sybil(u32),
 }
 
 impl std::str::FromStr for Behavior {
@@ -81,12 +73,6 @@ impl std::str::FromStr for Behavior {
                 .ok()
                 .filter(|x| x.is_finite())
                 .ok_or_else(|| format!("'{v}' is not a number"))
-        };
-        let count = |v: &str, what: &str| -> Result<u32, String> {
-            v.parse::<u32>()
-                .ok()
-                .filter(|k| (1..=64).contains(k))
-                .ok_or_else(|| format!("'{v}' is not a number of {what} from 1 to 64"))
         };
         Ok(match s.split_once(':') {
             None => match s {
@@ -108,8 +94,12 @@ impl std::str::FromStr for Behavior {
             Some(("noise", sigma)) => Behavior::Noise(number(sigma)?),
             Some(("ipm", eps)) => Behavior::Ipm(number(eps)?),
             Some(("alie", z)) => Behavior::Alie(number(z)?),
-            Some(("stale", k)) => Behavior::Stale(count(k, "rounds")?),
-            Some(("sybil", n)) => Behavior::Sybil(count(n, "identities")?),
+            Some(("stale", k)) => Behavior::Stale(
+                k.parse::<u32>()
+                    .ok()
+                    .filter(|k| (1..=64).contains(k))
+                    .ok_or_else(|| format!("'{k}' is not a number of rounds from 1 to 64"))?,
+            ),
             _ => return Err(Self::expected(s)),
         })
     }
@@ -120,7 +110,7 @@ impl Behavior {
         format!(
             "'{s}' (honest, sign-flip, scale:F, noise:SIGMA, zero, nan, ipm:EPS, alie[:Z], \
              stale:K, label-flip, bad-part, bad-leader, lie-throughput, forge-hash, \
-             poison-catch-up, poison-state or sybil:N)"
+             poison-catch-up or poison-state)"
         )
     }
 }
@@ -154,11 +144,6 @@ impl Attack {
     /// Whether it attacks at some point.
     pub fn is_attacker(&self) -> bool {
         self.behavior != Behavior::Honest
-    }
-
-    /// Whether it attacks now.
-    pub fn is_on(&self) -> bool {
-        self.on
     }
 
     /// The time is `now`.
@@ -227,41 +212,6 @@ impl Attack {
     /// Whether the state it serves should be poisoned (by its owner, who knows the layout).
     pub fn poisons_state(&self) -> bool {
         self.on && self.behavior == Behavior::PoisonState
-    }
-
-    /// How many sybils it runs (whether or not it attacks yet: they exist from its start).
-    pub fn sybils(&self) -> u32 {
-        match self.behavior {
-            Behavior::Sybil(n) => n,
-            _ => 0,
-        }
-    }
-
-    /// What each of its sybils announces when it announces `own`, knowing `replicas` of its
-    /// stage; None while it does not attack, or holds no parameters to vote about.
-    pub fn sybil_announcement(
-        &self,
-        own: &Announcement,
-        replicas: &[PeerKey],
-    ) -> Option<Announcement> {
-        if !self.on || self.sybils() == 0 {
-            return None;
-        }
-        let hash = own.params_hash?;
-        let accuses = replicas
-            .iter()
-            .take(MAX_ACCUSATIONS)
-            .map(|&peer| Accusation {
-                peer,
-                why: Misconduct::OpposedTheStage,
-            })
-            .collect();
-        Some(Announcement {
-            // One forged hash for all of them, so that their votes add up.
-            params_hash: Some(hash ^ 0x5b11_5b11_5b11_5b11),
-            accuses,
-            ..own.clone()
-        })
     }
 
     /// An action as it carries it out.
@@ -336,11 +286,10 @@ mod tests {
             ("label-flip", Behavior::LabelFlip),
             ("stale:4", Behavior::Stale(4)),
             ("scale:-4", Behavior::Scale(-4.0)),
-            ("sybil:8", Behavior::Sybil(8)),
         ] {
             assert_eq!(text.parse::<Behavior>(), Ok(behavior));
         }
-        for bad in ["alie:x", "stale:0", "flip", "scale:inf", "sybil:65"] {
+        for bad in ["alie:x", "stale:0", "flip", "scale:inf"] {
             let e = bad.parse::<Behavior>().unwrap_err();
             assert!(e.contains(bad.split(':').next_back().unwrap()), "{e}");
         }
@@ -388,25 +337,5 @@ mod tests {
         let mut early = job(Input::Activations(vec![0.5; 4]));
         later.outgoing(&mut early);
         assert_eq!(early, job(Input::Activations(vec![0.5; 4])));
-    }
-
-    #[test]
-    fn sybils_vote_for_one_forged_hash_and_accuse_the_replicas_once_on() {
-        let own = crate::swarm::fixtures::at_round(1, 7, Some(42));
-        let replicas: Vec<PeerKey> = (1..=20).map(PeerKey).collect();
-        let mut later = Attack::new(Behavior::Sybil(3), Duration::from_secs(5), 1);
-        assert_eq!(later.sybils(), 3, "they exist from the start");
-        later.tick(Duration::from_secs(1));
-        assert_eq!(later.sybil_announcement(&own, &replicas), None);
-        later.tick(Duration::from_secs(5));
-        let a = later.sybil_announcement(&own, &replicas).unwrap();
-        assert_eq!(
-            (a.stage, a.round, a.state),
-            (own.stage, own.round, own.state)
-        );
-        assert!(a.params_hash.is_some_and(|h| h != 42));
-        assert_eq!(a.accuses.len(), MAX_ACCUSATIONS);
-        let unhashed = crate::swarm::fixtures::at_round(1, 7, None);
-        assert_eq!(later.sybil_announcement(&unhashed, &replicas), None);
     }
 }

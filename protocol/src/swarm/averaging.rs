@@ -27,19 +27,6 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
 use std::time::Duration;
 
-/// An averaged part whose agreement with this member's own share of it
-/// ([`robust::agreement`]) is below this is refused: the member steps that part by zero
-/// rather than against its own gradient. An honest part agrees about 1 (give or take
-/// sqrt(members / length)); a negated one about -1, the same for every member with samples,
-/// so honest members refuse it together and stay equal.
-pub const REFUSE_BELOW: f64 = -0.5;
-
-/// Parts shorter than this are never refused: their agreement is too noisy to act on.
-pub const REFUSE_MIN_LEN: usize = 256;
-
-/// The least a leader waits for invited replicas once the expected ones have joined.
-pub const INVITED_GRACE: Duration = Duration::from_millis(50);
-
 /// Early messages buffered before the group is known, at most.
 const MAX_EARLY: usize = 256;
 
@@ -81,9 +68,6 @@ pub struct RoundResult {
     pub left_out: Vec<PeerKey>,
     /// Parts nobody could deliver (zero everywhere).
     pub zeroed: Vec<u32>,
-    /// Parts this member refused (zero here): they opposed its own share (see
-    /// [`REFUSE_BELOW`]).
-    pub refused: Vec<u32>,
     /// What this member saw of the others, the evidence bans are built on: per member whose
     /// share reached this member's part, how much it supported the part's robust mean
     /// ([`robust::Aggregate::support`]); per averaged part received, how well it agreed with
@@ -122,13 +106,6 @@ pub struct Round {
     /// that).
     withheld_by: Option<PeerKey>,
     expected: BTreeSet<PeerKey>,
-    /// Replicas invited but not waited for (new to the stage, or identities that only
-    /// announce): once the expected have joined, the leader waits a grace for them (see
-    /// [`Round::invite`]).
-    invited: BTreeSet<PeerKey>,
-    /// When the leader began gathering, and until when it waits for the invited.
-    gathering_since: Duration,
-    grace_until: Option<Duration>,
     joined: BTreeSet<PeerKey>,
     group: Vec<PeerKey>,
     early: Vec<(PeerKey, RoundMsg)>,
@@ -138,8 +115,6 @@ pub struct Round {
     shares: BTreeMap<PeerKey, (Vec<f32>, f64, Option<f64>)>,
     owned_done: bool,
     averaged: Vec<Option<Vec<f32>>>,
-    /// Parts received and refused (see [`REFUSE_BELOW`]).
-    refused: Vec<u32>,
     /// Averaged parts as encoded, to answer requests.
     encoded: BTreeMap<u32, (f64, Option<f64>, Vec<u8>)>,
     own_samples: f64,
@@ -153,11 +128,6 @@ pub struct Round {
     /// Scripted misbehaviour: negate the part this member owns; leading, leave the others
     /// out.
     pub(super) forge_part: bool,
-    /// Takes every part, opposed or not (a scripted attacker).
-    pub(super) take_every_part: bool,
-    /// Owners whose part this member refuses when it cannot judge it (no samples): it refused
-    /// their part in its last round.
-    pub(super) suspects: BTreeSet<PeerKey>,
     pub(super) exclude_others: bool,
     missing_answers: BTreeMap<u32, BTreeSet<PeerKey>>,
     started: Duration,
@@ -192,9 +162,6 @@ impl Round {
             leader: None,
             withheld_by: None,
             expected: BTreeSet::new(),
-            invited: BTreeSet::new(),
-            gathering_since: now,
-            grace_until: None,
             joined: BTreeSet::new(),
             group: Vec::new(),
             early: Vec::new(),
@@ -202,7 +169,6 @@ impl Round {
             shares: BTreeMap::new(),
             owned_done: false,
             averaged: Vec::new(),
-            refused: Vec::new(),
             encoded: BTreeMap::new(),
             own_samples: 0.0,
             own_scale: 0.0,
@@ -210,8 +176,6 @@ impl Round {
             evidence: Vec::new(),
             own: Vec::new(),
             forge_part: false,
-            take_every_part: false,
-            suspects: BTreeSet::new(),
             exclude_others: false,
             missing_answers: BTreeMap::new(),
             started: now,
@@ -232,32 +196,15 @@ impl Round {
         timing: Timing,
         now: Duration,
     ) -> Self {
-        Round::lead_inviting(key, me, others, &[], len, codec, timing, now)
-    }
-
-    /// This member leads the round, waiting for `others` (the replicas it counts on) and
-    /// inviting `invited` too (see [`Round::invite`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn lead_inviting(
-        key: RoundKey,
-        me: PeerKey,
-        others: &[PeerKey],
-        invited: &[PeerKey],
-        len: usize,
-        codec: Codec,
-        timing: Timing,
-        now: Duration,
-    ) -> Self {
         let mut r = Round::new(key, me, len, codec, timing, now);
         r.expected = others.iter().copied().filter(|k| *k != me).collect();
         r.joined.insert(me);
-        r.phase = Phase::Gathering;
         // Invite the replicas it knows: one that has not noticed the stage is ready (its
         // view of the others' progress lags) joins now instead of missing the round.
         for &k in &r.expected {
             r.out.push_back(RoundOut::Send(k, RoundMsg::Join));
         }
-        r.invite(invited);
+        r.phase = Phase::Gathering;
         r.deadline = Some(now + timing.join_window);
         r.maybe_start(now, false);
         r
@@ -304,32 +251,6 @@ impl Round {
         self.group.contains(&peer) || self.joined.contains(&peer) || self.leader == Some(peer)
     }
 
-    /// Whether this member may still follow another leader than the one it chose: it waits
-    /// for a start, or leads a round nobody has joined.
-    pub fn may_change_leader(&self) -> bool {
-        self.phase == Phase::AwaitStart
-            || (self.phase == Phase::Gathering && self.joined.len() <= 1)
-    }
-
-    /// Leading and still gathering, invites `peers` to join without waiting the join window
-    /// for them: once every expected member has joined, it waits as long again as that took
-    /// (at least [`INVITED_GRACE`]), so that a replica new to the stage that is ready joins,
-    /// and identities that never join cost a round that little.
-    fn invite(&mut self, peers: &[PeerKey]) {
-        if self.phase == Phase::Gathering {
-            for &k in peers.iter().filter(|k| **k != self.me) {
-                if !self.expected.contains(&k) && self.invited.insert(k) {
-                    self.out.push_back(RoundOut::Send(k, RoundMsg::Join));
-                }
-            }
-        }
-    }
-
-    /// The leader this member follows (None: it leads).
-    pub fn leader(&self) -> Option<PeerKey> {
-        self.leader
-    }
-
     /// The leader whose start this follower still waits for, if it waits.
     pub fn awaited_leader(&self) -> Option<PeerKey> {
         self.leader.filter(|_| self.phase == Phase::AwaitStart)
@@ -354,20 +275,8 @@ impl Round {
         if self.phase != Phase::Gathering {
             return;
         }
-        if !window_closed {
-            if !self.expected.iter().all(|k| self.joined.contains(k)) {
-                return;
-            }
-            if !self.invited.iter().all(|k| self.joined.contains(k)) {
-                let waited = now.saturating_sub(self.gathering_since);
-                let until = *self
-                    .grace_until
-                    .get_or_insert(now + waited.max(INVITED_GRACE));
-                if now < until {
-                    self.deadline = Some(self.deadline.map_or(until, |d| d.min(until)));
-                    return;
-                }
-            }
+        if !window_closed && !self.expected.iter().all(|k| self.joined.contains(k)) {
+            return;
         }
         self.group = self.joined.iter().copied().collect();
         let key = self.key;
@@ -632,33 +541,20 @@ impl Round {
                     }
                     Some(v) => {
                         let own = self.own.get(self.range(j)).unwrap_or_default();
+                        // Evidence only: a member does not refuse a part on its own (members
+                        // with no samples this round cannot check it, and replicas that
+                        // applied different parts would diverge); the owner is banned instead.
                         // A part relayed while filling is not the relayer's work: no evidence.
                         let from_owner = self.phase == Phase::Exchanging;
-                        let agreement = robust::agreement(own, self.own_samples, &v);
-                        if let Some(agreement) = agreement.filter(|_| from_owner) {
+                        if let Some(agreement) =
+                            robust::agreement(own, self.own_samples, &v).filter(|_| from_owner)
+                        {
                             self.evidence.push(Evidence::Part {
                                 peer: from,
                                 agreement,
                             });
                         }
-                        // A part that opposes this member's own share is stepped by zero: an
-                        // honest one never does, and every member with samples sees a negated
-                        // one alike. A member without samples cannot judge: it refuses the
-                        // part of an owner whose last part it refused, and applies any other
-                        // (if it differs then, the hash vote after the round corrects it). The
-                        // owner is banned on the evidence.
-                        let opposed = !self.take_every_part
-                            && v.len() >= REFUSE_MIN_LEN
-                            && match agreement {
-                                Some(a) => a < REFUSE_BELOW,
-                                None => self.suspects.contains(&self.group[j]),
-                            };
-                        if opposed {
-                            self.refused.push(part);
-                            self.averaged[j] = Some(vec![0.0; v.len()]);
-                        } else {
-                            self.averaged[j] = Some(v);
-                        }
+                        self.averaged[j] = Some(v);
                         if self.loss.is_none() {
                             self.loss = loss;
                         }
@@ -753,12 +649,7 @@ impl Round {
         } else {
             // The owner uses the decoded bytes too, so every replica holds the same values.
             let decoded = self.decode(&data, r.len()).unwrap_or(avg);
-            // A forger stays in step with the members, which refuse its part.
-            self.averaged[me] = Some(if self.forge_part {
-                vec![0.0; decoded.len()]
-            } else {
-                decoded
-            });
+            self.averaged[me] = Some(decoded);
             for &k in &self.group {
                 if k != self.me {
                     self.out.push_back(RoundOut::Send(
@@ -833,7 +724,6 @@ impl Round {
             loss: self.loss,
             left_out,
             zeroed,
-            refused: std::mem::take(&mut self.refused),
             evidence: std::mem::take(&mut self.evidence),
         }));
     }

@@ -167,12 +167,10 @@ impl StepCoordinator {
     }
 
     /// Scripted misbehaviour (see [`super::attack`]): whether this replica's rounds negate
-    /// the part it owns and leave the others out when it leads, and whether it attacks at
-    /// all (then it takes every part, to stay in step with the replicas it poisons).
-    pub fn misbehave(&mut self, forge_parts: bool, exclude_others: bool, attacking: bool) {
+    /// the part it owns, and leave the others out when it leads.
+    pub fn misbehave(&mut self, forge_parts: bool, exclude_others: bool) {
         self.rounds.forge_parts = forge_parts;
         self.rounds.exclude_others = exclude_others;
-        self.rounds.take_every_part = attacking;
     }
 
     /// Parameter hash right after the last round.
@@ -304,22 +302,6 @@ impl StepCoordinator {
         }
     }
 
-    /// Starts round `key` with the replicas this one counts on (see
-    /// [`Membership::round_members`]); leading it, it also invites the stage's other
-    /// replicas, not waiting for them: a replica new to the stage is let in by joining in
-    /// time, and identities that only announce cost an invitation each.
-    fn begin_round(&mut self, key: RoundKey, members: &Membership, len: usize, now: Duration) {
-        let counted = members.round_members(key.stage);
-        // New to a stage with history: its view of who leads may not be the others'.
-        let may_lead = !unsure_of_leader(members, key);
-        self.rounds.invitees = members
-            .replicas(key.stage)
-            .into_iter()
-            .filter(|k| !counted.contains(k))
-            .collect();
-        self.rounds.begin(key, &counted, may_lead, len, now);
-    }
-
     /// Tells the stage's other replicas how far this one is toward the next round
     /// (`in_flight`: samples this driver has started and not yet committed).
     pub fn send_progress(
@@ -399,12 +381,7 @@ impl StepCoordinator {
             index: self.round,
         };
         let len = self.params(stage);
-        let counted = members.round_members(stage);
-        let unsure = unsure_of_leader(members, key);
-        if self
-            .rounds
-            .follow_early_invitation(key, &counted, unsure, len, now)
-        {
+        if self.rounds.follow_early_invitation(key, len, now) {
             return;
         }
         let replicas = members.replicas(stage);
@@ -429,7 +406,7 @@ impl StepCoordinator {
                 let starving = evidence && now.saturating_sub(since) >= join_window;
                 if total >= f64::from(self.settings.global_batch) || starving {
                     self.starve_check = None;
-                    self.begin_round(key, members, len, now);
+                    self.rounds.begin(key, &replicas, len, now);
                 } else if evidence {
                     self.starve_check = Some(since + join_window);
                 }
@@ -445,7 +422,7 @@ impl StepCoordinator {
                     out.compute(Job::LocalStep);
                 }
                 if self.inner_steps >= h {
-                    self.begin_round(key, members, len, now);
+                    self.rounds.begin(key, &replicas, len, now);
                 }
             }
         }
@@ -609,8 +586,7 @@ impl StepCoordinator {
             return;
         }
         let len = self.params(key.stage);
-        let replicas = members.round_members(key.stage);
-        let unsure_of_leader = unsure_of_leader(members, key);
+        let replicas = members.replicas(key.stage);
         self.rounds.on_message(
             out,
             from,
@@ -619,7 +595,6 @@ impl StepCoordinator {
             self.round,
             self.finished,
             replicas,
-            unsure_of_leader,
             len,
             now,
         );
@@ -658,16 +633,12 @@ impl StepCoordinator {
                     SyncMode::DiLoCo { .. } => Job::TakePseudoGradient,
                 }),
                 RoundOut::Finished(result) => {
-                    if !result.left_out.is_empty()
-                        || !result.zeroed.is_empty()
-                        || !result.refused.is_empty()
-                    {
+                    if !result.left_out.is_empty() || !result.zeroed.is_empty() {
                         self.stats.rounds_degraded += 1;
                         out.event(Event::RoundDegraded {
                             round: key.index,
                             left_out: result.left_out.len(),
                             zeroed: result.zeroed.len(),
-                            refused: result.refused.len(),
                         });
                     }
                     self.stats.rounds += 1;
@@ -822,18 +793,6 @@ impl StepCoordinator {
         self.accumulated = 0.0;
         self.losses = (0.0, 0.0);
     }
-}
-
-/// Whether this replica, at round `key` of a stage that has history (not its first round),
-/// has averaged with none of the stage's replicas (it is new to the stage): it counts every
-/// replica that announces itself, and who it takes to lead may not be who the others do, so
-/// it follows their invitations rather than lead. (In a stage's first round every replica is
-/// new and counts alike: the rank decides.)
-fn unsure_of_leader(members: &Membership, key: RoundKey) -> bool {
-    key.index > 0
-        && members
-            .iter()
-            .all(|(_, m)| !(m.averaged && m.serves(key.stage)))
 }
 
 #[cfg(test)]

@@ -246,38 +246,26 @@ impl Driver {
 
     /// Retries the microbatches whose attempt timed out (same sample, new attempt id), and
     /// drops those out of attempts: their attempts are aborted here and at their first hop.
-    /// Returns whether it dropped any, and the first hops of the attempts that timed out.
-    pub fn expire(
-        &mut self,
-        out: &mut Outbox,
-        timing: &Timing,
-        now: Duration,
-    ) -> (bool, Vec<PeerKey>) {
+    pub fn expire(&mut self, out: &mut Outbox, timing: &Timing, now: Duration) {
         let deadline = self.microbatch_deadline(timing);
         let ids = &mut self.ids;
         let expired = self
             .ledger
             .expire(now, timing.max_attempts, deadline, || ids.next_u64());
-        let mut dropped = false;
-        let mut hops = Vec::new();
         for e in expired {
             match e {
                 Expiry::Retry {
                     attempt,
                     sample,
                     rows,
-                    avoid,
-                } => {
-                    hops.extend(avoid);
-                    out.compute(Job::Forward {
-                        id: attempt,
-                        rows,
-                        sample,
-                        input: Input::Tokens,
-                    });
-                }
+                    ..
+                } => out.compute(Job::Forward {
+                    id: attempt,
+                    rows,
+                    sample,
+                    input: Input::Tokens,
+                }),
                 Expiry::Dropped(entry) => {
-                    hops.extend(entry.live.iter().filter_map(|l| l.1));
                     for (a, hop) in entry.live {
                         out.compute(Job::Abort { id: a });
                         if let Some(h) = hop {
@@ -287,11 +275,9 @@ impl Driver {
                     out.event(Event::Dropped {
                         microbatch: entry.microbatch,
                     });
-                    dropped = true;
                 }
             }
         }
-        (dropped, hops)
     }
 
     /// The first hop of the attempt before `attempt` of the same microbatch: a retry goes

@@ -50,12 +50,11 @@ pub fn at_round(stage: u32, round: u64, hash: Option<u64>) -> Announcement {
     }
 }
 
-/// The membership of these peers, by key, each seen working for the stage it announces.
+/// The membership of these peers, by key.
 pub fn members(list: impl IntoIterator<Item = (u64, Announcement)>) -> Membership {
     let mut m = Membership::default();
     for (key, a) in list {
         m.update(PeerKey(key), a, Duration::ZERO);
-        m.witness(PeerKey(key), true);
     }
     m
 }

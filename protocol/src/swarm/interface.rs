@@ -189,8 +189,6 @@ pub enum Event {
         left_out: usize,
         /// Parts nobody delivered.
         zeroed: usize,
-        /// Parts refused: they opposed this replica's own share.
-        refused: usize,
     },
     /// A round this replica could not take part in.
     RoundFailed {

@@ -17,29 +17,12 @@ pub struct Member {
     /// The peer whose gossip introduced it, while it has given no evidence of its own (a
     /// message on a connection of its own); None once it has.
     pub relayed_by: Option<PeerKey>,
-    /// Whether this peer has seen it work for the stage it announces, first-hand: a share or
-    /// an averaged part in a round, activations or gradients of a microbatch. Keys cost
-    /// nothing, work does: votes count only members that worked (see [`Membership::workers`]).
-    pub worked: bool,
-    /// Whether that work was a share or an averaged part in one of this peer's rounds (it
-    /// averages with this peer). Rounds are led and waited for among these, so that the
-    /// replicas of a stage, which all see each other's shares, agree on who leads; a peer that
-    /// has only seen a replica's microbatches (from a stage next to it) does not count it.
-    pub averaged: bool,
-    /// Whether a microbatch this peer routed through it timed out before it was seen to work:
-    /// it gets no more (see [`Membership::route`]).
-    pub unanswered: bool,
 }
 
 impl Member {
     /// Whether it serves `stage` now.
     pub fn serves(&self, stage: u32) -> bool {
         self.announcement.state == MemberState::Serving && self.announcement.stage == Some(stage)
-    }
-
-    /// Whether it serves `stage` now and this peer has seen it work there.
-    pub fn works_for(&self, stage: u32) -> bool {
-        self.worked && self.serves(stage)
     }
 }
 
@@ -111,12 +94,6 @@ impl Membership {
             }
         }
         if let Some(m) = self.members.get_mut(&peer) {
-            // Work seen at one stage says nothing of its claims at another.
-            if m.announcement.stage != announcement.stage {
-                m.worked = false;
-                m.averaged = false;
-                m.unanswered = false;
-            }
             m.announcement = announcement;
             m.last_seen = now;
             if relay.is_none() {
@@ -133,9 +110,6 @@ impl Membership {
                 announcement,
                 last_seen: now,
                 relayed_by: relay,
-                worked: false,
-                averaged: false,
-                unanswered: false,
             },
         );
         true
@@ -171,23 +145,6 @@ impl Membership {
         if let Some(m) = self.members.get_mut(&peer) {
             m.last_seen = now;
             m.relayed_by = None;
-        }
-    }
-
-    /// Notes that `peer` delivered work for the stage it announces to this peer (see
-    /// [`Member::worked`]); `in_round`: a share or part in one of its rounds (see
-    /// [`Member::averaged`]).
-    pub fn witness(&mut self, peer: PeerKey, in_round: bool) {
-        if let Some(m) = self.members.get_mut(&peer) {
-            m.worked = true;
-            m.averaged |= in_round;
-        }
-    }
-
-    /// Notes that a microbatch this peer routed through `peer` timed out there or beyond.
-    pub fn unanswered(&mut self, peer: PeerKey) {
-        if let Some(m) = self.members.get_mut(&peer) {
-            m.unanswered = true;
         }
     }
 
@@ -248,47 +205,6 @@ impl Membership {
             .collect()
     }
 
-    /// The peers serving `stage` that this peer has seen work there, in key order: the ones
-    /// whose votes count (a hash vote, an accusation), as identities that only announce cost
-    /// nothing to make.
-    pub fn workers(&self, stage: u32) -> Vec<PeerKey> {
-        self.members
-            .iter()
-            .filter(|(_, m)| m.works_for(stage))
-            .map(|(k, _)| *k)
-            .collect()
-    }
-
-    /// The replicas of `stage` a round of this peer waits for and may be led by: those it has
-    /// averaged with (see [`Member::averaged`]), or every one that announces itself before it
-    /// has averaged with any (its first round at the stage). Waiting for identities that only
-    /// announce, or following one as a leader, would let anyone stall every round for the
-    /// price of a key.
-    pub fn round_members(&self, stage: u32) -> Vec<PeerKey> {
-        let averaged: Vec<PeerKey> = self
-            .members
-            .iter()
-            .filter(|(_, m)| m.averaged && m.serves(stage))
-            .map(|(k, _)| *k)
-            .collect();
-        if averaged.is_empty() {
-            self.replicas(stage)
-        } else {
-            averaged
-        }
-    }
-
-    /// The replicas of `stage` whose votes count: those this peer has seen work there, or,
-    /// before it has seen any, every one that announces itself.
-    pub fn voters(&self, stage: u32) -> Vec<PeerKey> {
-        let workers = self.workers(stage);
-        if workers.is_empty() {
-            self.replicas(stage)
-        } else {
-            workers
-        }
-    }
-
     /// Picks the replica of `stage` to send a microbatch to, dealt in proportion to measured
     /// throughput over (1 + queue), so fast idle peers get more work and a peer that stopped
     /// answering (and so stopped being announced) gets none. `avoid` is skipped unless it is
@@ -305,24 +221,12 @@ impl Membership {
             candidates.retain(|k| Some(*k) != avoid);
         }
         let weights = match routing {
-            Routing::Weighted => {
-                let members: Vec<&Member> = candidates
+            Routing::Weighted => route_weights(
+                candidates
                     .iter()
                     .filter_map(|k| self.members.get(k))
-                    .collect();
-                let mut weights = route_weights(members.iter().map(|m| &m.announcement));
-                // A claim of throughput is taken at its word only once the replica has
-                // returned work; until then it gets a probe's share, enough to be seen at
-                // work soon, and none once a probe was lost: keys that only announce (sybils)
-                // swallow one microbatch each.
-                let seen = members.iter().any(|m| m.worked);
-                for (w, m) in weights.iter_mut().zip(&members) {
-                    if seen && !m.worked {
-                        *w *= if m.unanswered { 0.0 } else { PROBATION };
-                    }
-                }
-                weights
-            }
+                    .map(|m| &m.announcement),
+            ),
             Routing::Uniform => {
                 let i = dealer.rng.weighted(&vec![1.0; candidates.len()])?;
                 return Some(candidates[i]);
@@ -422,10 +326,6 @@ pub fn fits(memory: u64, need: u64) -> bool {
 /// waits for its last microbatch, and one sent to a device hundreds of times slower than the
 /// rest would hold up the whole swarm.
 pub const STRAGGLER_FACTOR: f64 = 4.0;
-
-/// A replica this peer has not seen work gets this fraction of the microbatches its claimed
-/// throughput would draw (see [`Membership::route`]).
-pub const PROBATION: f64 = 0.125;
 
 /// Routing weights of a list of candidate announcements: throughput / (1 + queue), the inverse
 /// of the expected time to finish one more microbatch, and 0 for a candidate more than

@@ -12,7 +12,7 @@
 
 use super::agreement::{self, Resync};
 use super::attack::Attack;
-use super::bans::{self, Ban, Bans, Evidence};
+use super::bans::{self, Ban, Bans};
 use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
 use super::coordinator::{Settings, StepCoordinator};
 use super::driver::Driver;
@@ -293,22 +293,6 @@ impl Peer {
         }
     }
 
-    /// What each of its sybils announces beside `own`, this peer's announcement (a scripted
-    /// `sybil:N` attacker; see [`Attack::sybil_announcement`]).
-    pub fn sybil_announcement(&self, own: &Announcement) -> Option<Announcement> {
-        let attack = self.attack.as_ref()?;
-        let replicas = own
-            .stage
-            .map(|s| self.members.replicas(s))
-            .unwrap_or_default();
-        attack.sybil_announcement(own, &replicas)
-    }
-
-    /// How many sybils this peer runs (a scripted `sybil:N` attacker).
-    pub fn sybils(&self) -> u32 {
-        self.attack.as_ref().map_or(0, Attack::sybils)
-    }
-
     /// The peer is shutting down: tell the others.
     pub fn leave(&mut self) -> Announcement {
         let mut a = self.announcement();
@@ -347,25 +331,13 @@ impl Peer {
     fn after(&mut self, now: Duration) {
         if let Some(a) = self.attack.as_mut() {
             a.tick(now);
-            self.steps
-                .misbehave(a.forges_parts(), a.excludes_others(), a.is_on());
+            self.steps.misbehave(a.forges_parts(), a.excludes_others());
         }
         let stage = self.role.serving();
         self.steps
             .drain_round(&mut self.out, stage, &self.members, now);
         if !self.out.evidence.is_empty() {
             let evidence = std::mem::take(&mut self.out.evidence);
-            for e in &evidence {
-                if let Evidence::Share { peer, .. }
-                | Evidence::Part { peer, .. }
-                | Evidence::Delivered {
-                    peer,
-                    delivered: true,
-                } = *e
-                {
-                    self.members.witness(peer, true);
-                }
-            }
             for peer in self.bans.observe(&evidence, now) {
                 self.judge(peer, now);
             }
@@ -522,21 +494,10 @@ impl Peer {
             }
             _ => {}
         }
-        let mut unanswered = Vec::new();
         if self.is_driver() {
-            let dropped;
-            (dropped, unanswered) = self.driver.expire(&mut self.out, &self.timing, now);
-            if dropped {
-                // The other drivers count what this one said it had in flight toward the
-                // step until told otherwise: left standing, a claim on dropped microbatches
-                // would hold the step forever.
-                self.send_progress();
-            }
+            self.driver.expire(&mut self.out, &self.timing, now);
         }
-        unanswered.extend(self.server.expire(&mut self.out, now));
-        for peer in unanswered {
-            self.members.unanswered(peer);
-        }
+        self.server.expire(&mut self.out, now);
         let next_waiting = self.server.next_step_waiting_since(self.steps.round());
         let serving = self.role.serving();
         let resync =

@@ -36,18 +36,9 @@ pub(super) struct Rounds {
     /// leader that withholds its start times out alike, so they pass over the same one.
     passed_over: Vec<(RoundKey, PeerKey)>,
     /// Scripted misbehaviour (see [`super::attack`]): rounds started from now on negate the
-    /// part this replica owns, leave the others out when it leads, and take every part (an
-    /// attacker stays in step with the replicas it poisons).
+    /// part this replica owns, and leave the others out when it leads.
     pub forge_parts: bool,
     pub exclude_others: bool,
-    pub take_every_part: bool,
-    /// Replicas the next round this replica leads invites without waiting for them (see
-    /// [`Round::lead_inviting`]).
-    pub invitees: Vec<PeerKey>,
-    /// Owners whose part this replica refused in its last round: in a round where it has no
-    /// samples to judge their part by, it refuses it again (the other members, which have,
-    /// refuse a forged part too, and it stays equal to them).
-    refused_owners: std::collections::BTreeSet<PeerKey>,
     /// Banned peers: members no round waits for.
     banned: std::collections::BTreeSet<PeerKey>,
 }
@@ -66,9 +57,6 @@ impl Rounds {
             passed_over: Vec::new(),
             forge_parts: false,
             exclude_others: false,
-            take_every_part: false,
-            invitees: Vec::new(),
-            refused_owners: std::collections::BTreeSet::new(),
             banned: std::collections::BTreeSet::new(),
         }
     }
@@ -105,32 +93,12 @@ impl Rounds {
 
     /// Starts round `key` with the replicas this one knows of (`others`), led by the first in
     /// rank order. A leader takes in the joins that came early.
-    /// A replica new to a stage that has history (`may_lead` false) does not lead: the
-    /// others do not count it yet, and it waits for their leader's invitation.
-    pub fn begin(
-        &mut self,
-        key: RoundKey,
-        others: &[PeerKey],
-        may_lead: bool,
-        len: usize,
-        now: Duration,
-    ) {
-        let me = may_lead.then_some(self.me);
+    pub fn begin(&mut self, key: RoundKey, others: &[PeerKey], len: usize, now: Duration) {
         let leader = self
-            .leader(key, others.iter().copied().chain(me))
+            .leader(key, others.iter().copied().chain([self.me]))
             .unwrap_or(self.me);
         let mut round = if leader == self.me {
-            let invited = std::mem::take(&mut self.invitees);
-            let mut r = Round::lead_inviting(
-                key,
-                self.me,
-                others,
-                &invited,
-                len,
-                self.codec,
-                self.timing,
-                now,
-            );
+            let mut r = Round::lead(key, self.me, others, len, self.codec, self.timing, now);
             for (k, from) in std::mem::take(&mut self.early_joins) {
                 if k == key {
                     r.handle(from, RoundMsg::Join, now);
@@ -142,8 +110,6 @@ impl Rounds {
         };
         round.forge_part = self.forge_parts;
         round.exclude_others = self.exclude_others;
-        round.take_every_part = self.take_every_part;
-        round.suspects.clone_from(&self.refused_owners);
         round.gone.clone_from(&self.banned);
         self.current = Some(round);
         self.leader_seen = false;
@@ -153,36 +119,19 @@ impl Rounds {
         self.leader_seen = false;
         let mut round = Round::follow(key, self.me, leader, len, self.codec, self.timing, now);
         round.forge_part = self.forge_parts;
-        round.take_every_part = self.take_every_part;
-        round.suspects.clone_from(&self.refused_owners);
         round.gone.clone_from(&self.banned);
         self.current = Some(round);
     }
 
     /// Early joins: a replica that finished round `round - 1` sooner may already have invited
-    /// this one to round `round`. Follows the invitation of a leader among `replicas` (those
-    /// it counts on, see [`super::membership::Membership::round_members`]) that ranks before
-    /// this replica, if one came; returns whether it did. Invitations to rounds already past
-    /// are forgotten.
-    /// (`unsure`: it counts every announced replica, having averaged with none; then it
-    /// follows any invitation, as its view of who leads may not be the others'.)
-    pub fn follow_early_invitation(
-        &mut self,
-        key: RoundKey,
-        replicas: &[PeerKey],
-        unsure: bool,
-        len: usize,
-        now: Duration,
-    ) -> bool {
+    /// this one to round `round`. Follows the invitation of a leader that ranks before this
+    /// replica, if one came; returns whether it did. Invitations to rounds already past are forgotten.
+    pub fn follow_early_invitation(&mut self, key: RoundKey, len: usize, now: Duration) -> bool {
         self.early_joins.retain(|(k, _)| k.index >= key.index);
         let invite = self
             .early_joins
             .iter()
-            .find(|(k, from)| {
-                *k == key
-                    && replicas.contains(from)
-                    && (unsure || self.precedes(key, *from, self.me))
-            })
+            .find(|(k, from)| *k == key && self.precedes(key, *from, self.me))
             .copied();
         let Some((key, from)) = invite else {
             return false;
@@ -210,40 +159,12 @@ impl Rounds {
         round: u64,
         finished: bool,
         replicas: Vec<PeerKey>,
-        unsure_of_leader: bool,
         len: usize,
         now: Duration,
     ) {
         // A leader passed over that starts late is not blamed: it may only have been slow.
         if matches!(msg, RoundMsg::Start { .. }) && self.passed_over.contains(&(key, from)) {
             return;
-        }
-        // A replica that has averaged with none of its stage's replicas yet counts every one
-        // that announces itself (see `Membership::round_members`), the others only those they
-        // averaged with: its leader may not be theirs. It follows another replica's invitation
-        // while it still waits for its own leader's start; a start from another replica is
-        // followed if it takes this one in, and dropped unblamed if not.
-        if msg == RoundMsg::Join
-            && unsure_of_leader
-            && replicas.contains(&from)
-            && let Some(r) = self.current.as_ref()
-            && r.key() == key
-            && r.awaited_leader().is_some_and(|l| l != from)
-        {
-            self.follow(key, from, len, now);
-            return;
-        }
-        if let RoundMsg::Start { group } = &msg
-            && unsure_of_leader
-            && replicas.contains(&from)
-            && let Some(r) = self.current.as_ref()
-            && r.key() == key
-            && r.leader() != Some(from)
-        {
-            if !(group.contains(&self.me) && r.may_change_leader()) {
-                return;
-            }
-            self.follow(key, from, len, now);
         }
         for r in [self.current.as_mut(), self.last.as_mut()]
             .into_iter()
@@ -268,28 +189,21 @@ impl Rounds {
             return;
         }
         match msg {
-            // New to the stage: an invitation is the best evidence of who leads.
-            RoundMsg::Join if unsure_of_leader => {
-                if replicas.contains(&from) {
-                    self.follow(key, from, len, now);
-                }
-            }
             RoundMsg::Join => {
-                // The sender is taken in if this replica leads, but does not decide who leads:
-                // a replica that counts it (another view of who works) and one that does not
-                // would pick different leaders.
-                let leader = self.leader(key, replicas.iter().copied().chain([self.me]));
+                let mut others = replicas;
+                if !others.contains(&from) {
+                    others.push(from);
+                }
+                let leader = self.leader(key, others.iter().copied().chain([self.me]));
                 if leader == Some(self.me) {
-                    self.begin(key, &replicas, true, len, now);
+                    self.begin(key, &others, len, now);
                     if let Some(r) = self.current.as_mut() {
                         r.handle(from, RoundMsg::Join, now);
                     }
-                } else if replicas.contains(&from) && self.precedes(key, from, self.me) {
+                } else if self.precedes(key, from, self.me) {
                     self.follow(key, from, len, now);
                 }
             }
-            // Not from a replica it counts on: it would not have followed it as a leader.
-            RoundMsg::Start { .. } if !replicas.contains(&from) => {}
             RoundMsg::Start { .. } => {
                 self.follow(key, from, len, now);
                 if let Some(r) = self.current.as_mut() {
@@ -374,15 +288,7 @@ impl Rounds {
     pub fn poll(&mut self) -> Option<(RoundKey, RoundOut)> {
         let r = self.current.as_mut()?;
         let key = r.key();
-        let out = r.poll()?;
-        if let RoundOut::Finished(result) = &out {
-            self.refused_owners = result
-                .refused
-                .iter()
-                .filter_map(|j| result.group.get(*j as usize).copied())
-                .collect();
-        }
-        Some((key, out))
+        r.poll().map(|out| (key, out))
     }
 
     /// This replica's contribution to the current round.
@@ -465,7 +371,6 @@ mod tests {
             round,
             finished,
             replicas,
-            false,
             8,
             MS,
         );
@@ -494,16 +399,16 @@ mod tests {
         assert_eq!(order(0), [1, 6, 4, 2, 3, 5]);
         assert_eq!(order(1), [3, 2, 6, 4, 5, 1]);
         let mut r = rounds(4);
-        r.begin(key(0), &[PeerKey(2), PeerKey(3)], true, 8, Duration::ZERO);
+        r.begin(key(0), &[PeerKey(2), PeerKey(3)], 8, Duration::ZERO);
         assert_eq!(
             sent(&mut r),
             [(PeerKey(2), RoundMsg::Join), (PeerKey(3), RoundMsg::Join)]
         );
         let mut r = rounds(3);
-        r.begin(key(0), &[PeerKey(2), PeerKey(4)], true, 8, Duration::ZERO);
+        r.begin(key(0), &[PeerKey(2), PeerKey(4)], 8, Duration::ZERO);
         assert_eq!(sent(&mut r), [(PeerKey(4), RoundMsg::Join)], "follows 4");
         let mut r = rounds(4);
-        r.begin(key(1), &[PeerKey(2), PeerKey(3)], true, 8, Duration::ZERO);
+        r.begin(key(1), &[PeerKey(2), PeerKey(3)], 8, Duration::ZERO);
         assert_eq!(sent(&mut r), [(PeerKey(3), RoundMsg::Join)], "follows 3");
     }
 
@@ -515,7 +420,7 @@ mod tests {
         let mut out = Outbox::new(PeerKey(3));
         let mut r = rounds(3);
         // Among 1, 3 and 5, peer 1 leads round 0 of stage 1.
-        r.begin(key(0), &[PeerKey(1), PeerKey(5)], true, 8, Duration::ZERO);
+        r.begin(key(0), &[PeerKey(1), PeerKey(5)], 8, Duration::ZERO);
         assert_eq!(sent(&mut r), [(PeerKey(1), RoundMsg::Join)]);
         r.handle_timeout(Duration::from_secs(600));
         // Evidence against the leader, then the failure.
@@ -536,7 +441,6 @@ mod tests {
         r.begin(
             key(0),
             &[PeerKey(1), PeerKey(5)],
-            true,
             8,
             Duration::from_secs(601),
         );
@@ -547,7 +451,7 @@ mod tests {
         // A late start from the passed-over leader is not followed by a replica between
         // rounds, and its join makes it a member, not the leader.
         let mut r2 = rounds(5);
-        r2.begin(key(0), &[PeerKey(1), PeerKey(3)], true, 8, Duration::ZERO);
+        r2.begin(key(0), &[PeerKey(1), PeerKey(3)], 8, Duration::ZERO);
         sent(&mut r2);
         r2.handle_timeout(Duration::from_secs(600));
         while r2.poll().is_some() {}
@@ -570,7 +474,6 @@ mod tests {
         r2.begin(
             key(1),
             &[PeerKey(1), PeerKey(3)],
-            true,
             8,
             Duration::from_secs(700),
         );
@@ -584,7 +487,7 @@ mod tests {
     fn a_join_that_comes_early_is_kept_for_the_next_round() {
         let mut out = Outbox::new(PeerKey(3));
         let mut r = rounds(3);
-        r.begin(key(0), &[PeerKey(5)], true, 8, Duration::ZERO);
+        r.begin(key(0), &[PeerKey(5)], 8, Duration::ZERO);
         sent(&mut r);
         hear(
             &mut r,
@@ -598,7 +501,7 @@ mod tests {
         );
         r.finish();
         // As leader of round 1 it starts at once: everyone it expects already joined.
-        r.begin(key(1), &[PeerKey(5)], true, 8, 2 * MS);
+        r.begin(key(1), &[PeerKey(5)], 8, 2 * MS);
         let start = sent(&mut r);
         assert!(
             start.contains(&(
@@ -621,15 +524,8 @@ mod tests {
             false,
             vec![PeerKey(3)],
         );
-        assert!(
-            !r.follow_early_invitation(key(0), &[PeerKey(3)], false, 8, MS),
-            "not for round 0"
-        );
-        assert!(
-            !r.follow_early_invitation(key(1), &[PeerKey(4)], false, 8, MS),
-            "not from a replica it does not count on"
-        );
-        assert!(r.follow_early_invitation(key(1), &[PeerKey(3)], false, 8, MS));
+        assert!(!r.follow_early_invitation(key(0), 8, MS), "not for round 0");
+        assert!(r.follow_early_invitation(key(1), 8, MS));
         assert_eq!(sent(&mut r), [(PeerKey(3), RoundMsg::Join)]);
         // Invitations to rounds long past are not kept.
         let mut r = rounds(5);
@@ -644,7 +540,7 @@ mod tests {
             vec![PeerKey(3)],
         );
         assert!(!r.active());
-        assert!(!r.follow_early_invitation(key(1), &[PeerKey(3)], false, 8, MS));
+        assert!(!r.follow_early_invitation(key(1), 8, MS));
     }
 
     #[test]
@@ -652,7 +548,7 @@ mod tests {
         use crate::swarm::fixtures::serving as a;
         let mut m = Membership::default();
         let mut r = rounds(5);
-        r.begin(key(0), &[PeerKey(3)], true, 8, Duration::ZERO);
+        r.begin(key(0), &[PeerKey(3)], 8, Duration::ZERO);
         // The leader is not known yet: wait for it.
         assert_eq!(r.leader_gone(1, &m), None);
         m.update(PeerKey(3), a(1), Duration::ZERO);
@@ -667,7 +563,7 @@ mod tests {
         // A leader that is gone altogether counts the same.
         let mut m = Membership::default();
         m.update(PeerKey(3), a(1), Duration::ZERO);
-        r.begin(key(0), &[PeerKey(3)], true, 8, MS);
+        r.begin(key(0), &[PeerKey(3)], 8, MS);
         assert_eq!(r.leader_gone(1, &m), None);
         m.remove(PeerKey(3));
         assert_eq!(r.leader_gone(1, &m), Some(key(0)));

@@ -290,8 +290,8 @@ impl StageServer {
     }
 
     /// The gradient of a hop's output came back from the peer it was sent to: run the
-    /// backward pass, and say it was taken. Anything else (another sender, a second gradient,
-    /// a wrong size) is ignored.
+    /// backward pass. Anything else (another sender, a second gradient, a wrong size) is
+    /// ignored.
     pub fn on_backward(
         &mut self,
         out: &mut Outbox,
@@ -300,15 +300,15 @@ impl StageServer {
         grad: Vec<f32>,
         at: &Serving,
         now: Duration,
-    ) -> bool {
+    ) {
         let Some(h) = self.hops.get_mut(&b.id) else {
-            return false;
+            return;
         };
         if h.next != Some(from)
             || h.backward_done
             || grad.len() != at.activation_values * h.rows as usize
         {
-            return false;
+            return;
         }
         if !self.gradient_norms.admits(norms::rms(&grad)) {
             // Its driver retries the microbatch when its deadline passes.
@@ -316,7 +316,7 @@ impl StageServer {
                 from,
                 "an activation gradient far larger than this stage has seen",
             );
-            return false;
+            return;
         }
         h.route = b.route;
         h.expires = now + at.hop_lifetime;
@@ -325,7 +325,6 @@ impl StageServer {
             grad: Some(grad),
             rows: h.rows,
         });
-        true
     }
 
     /// A hop's backward pass finished: send the gradient of its input to the previous stage
@@ -454,24 +453,17 @@ impl StageServer {
     }
 
     /// Drops records whose driver went quiet for longer than every attempt can take.
-    /// Returns the next hops of those whose gradient never came back.
-    pub fn expire(&mut self, out: &mut Outbox, now: Duration) -> Vec<PeerKey> {
+    pub fn expire(&mut self, out: &mut Outbox, now: Duration) {
         let stale: Vec<u64> = self
             .hops
             .iter()
             .filter(|(_, h)| h.expires <= now)
             .map(|(id, _)| *id)
             .collect();
-        let mut unanswered = Vec::new();
         for id in stale {
-            if let Some(h) = self.hops.remove(&id)
-                && !h.backward_done
-            {
-                unanswered.extend(h.next);
-            }
+            self.hops.remove(&id);
             out.compute(Job::Abort { id });
         }
-        unanswered
     }
 
     /// `peer` is gone or unreachable: the drivers of hops waiting on it are told at once.

@@ -168,49 +168,6 @@ fn parts_far_larger_than_this_members_own_are_refused() {
     );
 }
 
-/// An averaged part that opposes this member's own share of it (a negated one) is stepped by
-/// zero, and is evidence against its owner; one that agrees is applied; a short part is never
-/// refused (too noisy to judge).
-#[test]
-fn an_averaged_part_opposing_this_members_own_share_is_refused() {
-    let key = RoundKey { stage: 1, index: 0 };
-    let (a, b) = (PeerKey(1), PeerKey(2));
-    for (len, sign, refused) in [(1024, -1.0f32, true), (1024, 1.0, false), (64, -1.0, false)] {
-        let mut r = Round::lead(key, a, &[b], len, Codec::Fp32, timing(), Duration::ZERO);
-        r.handle(b, RoundMsg::Join, Duration::ZERO);
-        while r.poll().is_some() {}
-        let own: Vec<f32> = (0..len).map(|i| ((i * 7919) % 13) as f32 - 6.0).collect();
-        r.contribute(&own, 2.0, None, Duration::ZERO);
-        while r.poll().is_some() {}
-        // Part 1 is peer 2's: the mean per sample of two identical shares, signed.
-        let part: Vec<f32> = own[len / 2..].iter().map(|v| sign * v / 2.0).collect();
-        let data = crate::codec::encode_to_vec(Codec::Fp32, &part, &[part.len()]).unwrap();
-        let msg = RoundMsg::Averaged {
-            part: 1,
-            samples: 4.0,
-            loss: None,
-            data,
-        };
-        r.handle(b, msg, MS);
-        let taken = r.averaged[1].clone().expect("taken");
-        if refused {
-            assert!(taken.iter().all(|v| *v == 0.0));
-            assert_eq!(r.refused, [1]);
-        } else {
-            assert_eq!(taken, part);
-            assert!(r.refused.is_empty());
-        }
-        let agreement = r.evidence.iter().find_map(|e| match e {
-            Evidence::Part { peer, agreement } if *peer == b => Some(*agreement),
-            _ => None,
-        });
-        assert!(
-            agreement.is_some_and(|x| (x - f64::from(sign)).abs() < 1e-6),
-            "{agreement:?}"
-        );
-    }
-}
-
 #[test]
 fn an_averaging_round_survives_a_member_vanishing_at_each_phase() {
     // Member i sums i + 1 samples of value j at coordinate j: the mean per sample is j.

@@ -8,7 +8,7 @@ use super::Peer;
 use crate::swarm::PeerKey;
 use crate::swarm::driver;
 use crate::swarm::interface::{Event, Job, Output};
-use crate::swarm::membership::{Placement, Routing};
+use crate::swarm::membership::Routing;
 use crate::swarm::message::{Backward, Forward, MemberState, Message};
 use crate::swarm::norms;
 use crate::swarm::server::{self, Arrival, ForwardHeader, PendingCommit, Serving};
@@ -81,13 +81,6 @@ impl Peer {
             .driver
             .window(&placements, &self.costs, &self.timing, own, c.microbatch);
         let weighted = self.allreduce() && self.routing == Routing::Weighted;
-        // The step is shared among the drivers seen at work (identities that only announce
-        // would otherwise be counted on for their part of it).
-        let drivers = self.members.round_members(0);
-        let placements: Vec<Placement> = placements
-            .into_iter()
-            .filter(|p| p.stage != 0 || drivers.contains(&p.peer))
-            .collect();
         let share = driver::share(
             &placements,
             self.me,
@@ -116,11 +109,7 @@ impl Peer {
 
     pub(super) fn on_forward(&mut self, from: PeerKey, f: Forward, now: Duration) {
         let at = self.serving();
-        let arrival = self.server.on_forward(&mut self.out, from, f, &at, now);
-        if arrival != Arrival::Rejected {
-            self.members.witness(from, false);
-        }
-        if arrival == Arrival::Held {
+        if self.server.on_forward(&mut self.out, from, f, &at, now) == Arrival::Held {
             self.maybe_begin_round(now);
         }
     }
@@ -236,7 +225,6 @@ impl Peer {
                 per_sample,
             );
             if let Some((sample, rows)) = accepted {
-                self.members.witness(from, false);
                 self.server.gradient_norms.record(size);
                 self.server.expect_commit(id, sample, rows, None);
                 self.out.compute(Job::Backward {
@@ -248,12 +236,8 @@ impl Peer {
             return;
         }
         let at = self.serving();
-        if self
-            .server
-            .on_backward(&mut self.out, from, b, grad, &at, now)
-        {
-            self.members.witness(from, false);
-        }
+        self.server
+            .on_backward(&mut self.out, from, b, grad, &at, now);
     }
 
     pub(super) fn on_backward_done(&mut self, id: u64, grad: Option<Vec<f32>>, now: Duration) {
