@@ -249,13 +249,21 @@ impl StepCoordinator {
         }
     }
 
-    /// The fewest rounds any serving peer (this one included) has completed.
+    /// The rounds completed by the least advanced stage, each stage counted at its most
+    /// advanced serving replica (this replica's own round is a bound too). A whole stage
+    /// behind holds the run; a single replica behind catches up on its own, and an identity
+    /// that announces an old round (one banned by its stage, or lying) holds nobody back.
     fn slowest_round(&self, members: &Membership) -> u64 {
-        members
-            .iter()
-            .filter(|(_, m)| m.announcement.state == MemberState::Serving)
-            .map(|(_, m)| m.announcement.round)
-            .fold(self.round, u64::min)
+        let mut furthest: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+        for (_, m) in members.iter() {
+            if let (MemberState::Serving, Some(stage)) =
+                (&m.announcement.state, m.announcement.stage)
+            {
+                let r = furthest.entry(stage).or_insert(0);
+                *r = (*r).max(m.announcement.round);
+            }
+        }
+        furthest.into_values().fold(self.round, u64::min)
     }
 
     /// A replica of `stage` that completed more rounds than this one.
@@ -279,11 +287,7 @@ impl StepCoordinator {
         let batch = f64::from(self.settings.global_batch);
         // Laggards: in synchronous training a stage more than a round behind holds the
         // others; starting more work only queues it there.
-        let laggards = allreduce
-            && members.iter().any(|(_, m)| {
-                m.announcement.state == MemberState::Serving
-                    && m.announcement.round.saturating_add(1) < self.round
-            });
+        let laggards = allreduce && self.slowest_round(members).saturating_add(1) < self.round;
         let drivers = members.replicas(0);
         let (quota, others) = if allreduce {
             (batch, Some(self.progress.reported(&drivers, round, true)))

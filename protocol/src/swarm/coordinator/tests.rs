@@ -200,6 +200,12 @@ fn a_driver_ahead_of_a_lagging_stage_is_told_so() {
     let d = c.demand(&members(&[(9, 1, 1, None)]), 4.0, 0.0);
     assert_eq!(d.ahead, Some(1));
     assert_eq!(d.quota, 8.0);
+    // A stage is as far as its most advanced replica: one replica behind (or an identity
+    // announcing an old round) holds nobody back, it catches up on its own.
+    let d = c.demand(&members(&[(9, 1, 3, None), (10, 1, 0, None)]), 4.0, 0.0);
+    assert_eq!(d.ahead, None);
+    let d = c.demand(&members(&[(9, 1, 1, None), (10, 2, 3, None)]), 4.0, 0.0);
+    assert_eq!(d.ahead, Some(1), "the whole of stage 1 is behind");
     // DiLoCo replicas step on their own: no laggards, the quota is the local batch.
     let mut c = serving(SyncMode::diloco(2));
     c.set_position(3, 3);
