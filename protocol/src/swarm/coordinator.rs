@@ -266,6 +266,15 @@ impl StepCoordinator {
         furthest.into_values().fold(self.round, u64::min)
     }
 
+    /// The fewest rounds any serving peer (this one included) has completed.
+    fn slowest_replica_round(&self, members: &Membership) -> u64 {
+        members
+            .iter()
+            .filter(|(_, m)| m.announcement.state == MemberState::Serving)
+            .map(|(_, m)| m.announcement.round)
+            .fold(self.round, u64::min)
+    }
+
     /// A replica of `stage` that completed more rounds than this one.
     fn replica_ahead(&self, stage: u32, members: &Membership) -> Option<PeerKey> {
         if self.finished {
@@ -302,7 +311,12 @@ impl StepCoordinator {
             others,
             blocked: self.local_step_queued
                 || (allreduce && (self.rounds.contributed() || self.applying_round)),
-            ahead: (self.finished || laggards).then(|| self.slowest_round(members)),
+            // At the end of the run every replica still behind is fed, stage by stage.
+            ahead: if self.finished {
+                Some(self.slowest_replica_round(members))
+            } else {
+                laggards.then(|| self.slowest_round(members))
+            },
         }
     }
 
