@@ -253,7 +253,7 @@ impl StepCoordinator {
     /// advanced serving replica (this replica's own round is a bound too). A whole stage
     /// behind holds the run; a single replica behind catches up on its own, and an identity
     /// that announces an old round (one banned by its stage, or lying) holds nobody back.
-    fn slowest_round(&self, members: &Membership) -> u64 {
+    fn slowest_stage_round(&self, members: &Membership) -> u64 {
         let mut furthest: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
         for (_, m) in members.iter() {
             if let (MemberState::Serving, Some(stage)) =
@@ -296,7 +296,9 @@ impl StepCoordinator {
         let batch = f64::from(self.settings.global_batch);
         // Laggards: in synchronous training a stage more than a round behind holds the
         // others; starting more work only queues it there.
-        let laggards = allreduce && self.slowest_round(members).saturating_add(1) < self.round;
+        let lagging = allreduce
+            .then(|| self.slowest_stage_round(members))
+            .filter(|slowest| slowest.saturating_add(1) < self.round);
         let drivers = members.replicas(0);
         let (quota, others) = if allreduce {
             (batch, Some(self.progress.reported(&drivers, round, true)))
@@ -311,11 +313,11 @@ impl StepCoordinator {
             others,
             blocked: self.local_step_queued
                 || (allreduce && (self.rounds.contributed() || self.applying_round)),
-            // At the end of the run every replica still behind is fed, stage by stage.
+            // At the end of the run every replica still behind is fed, down to the slowest.
             ahead: if self.finished {
                 Some(self.slowest_replica_round(members))
             } else {
-                laggards.then(|| self.slowest_round(members))
+                lagging
             },
         }
     }
