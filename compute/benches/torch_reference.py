@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""PyTorch eager CPU reference benchmark for shoal's GPT training step.
+"""PyTorch eager reference benchmark for shoal's GPT training step.
 
 What it measures
 ----------------
 Wall-clock time of one complete float32 training step of a GPT-2 style
-decoder on the CPU, using stock PyTorch eager mode (no torch.compile). The
-model and step are the same as the Rust implementation in `compute`, so the
-numbers are a like-for-like baseline:
+decoder on the CPU (or, with --device cuda, an NVIDIA GPU), using stock
+PyTorch eager mode (no torch.compile). The model and step are the same as the
+Rust implementation in `compute`, so the numbers are a like-for-like baseline:
 
   * token embedding wte (V, C) + learned position embedding wpe (T, C)
   * L pre-LayerNorm blocks:  x = x + attn(ln1(x));  x = x + mlp(ln2(x))
@@ -24,16 +24,21 @@ weight_decay 0.1 on parameters with dim >= 2 only).
 Each step is timed as a whole with time.perf_counter(): 3 untimed warm-up
 steps, then --steps timed steps (at least 10). The report gives the median and
 minimum step time, tokens/s (B*T / median seconds) and achieved GFLOP/s from
-the analytical FLOP count documented at `flops_per_step` below.
+the analytical FLOP count documented at `flops_per_step` below. On CUDA each
+timed step ends with torch.cuda.synchronize(), so it counts the GPU's work, not
+just its queueing; matrix products stay float32 (PyTorch's default, no TF32),
+as in shoal.
 
 How to run
 ----------
     python3 compute/benches/torch_reference.py --preset micro --batch 8 --threads 2 --json
     python3 compute/benches/torch_reference.py --preset nano --batch 4 --threads 1 --steps 10
     python3 compute/benches/torch_reference.py --preset micro --attn manual
+    python3 compute/benches/torch_reference.py --preset gpt2 --batch 8 --device cuda
 
-Requires `torch` (CPU wheels are fine; CUDA is never used). With --json a
-single JSON object is printed on stdout; otherwise one readable line.
+Requires `torch` (CPU wheels are fine; CUDA is used only with --device cuda).
+With --json a single JSON object is printed on stdout; otherwise one readable
+line.
 """
 
 import argparse
@@ -202,7 +207,7 @@ def make_optimizer(model, impl):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(
-        description="PyTorch eager CPU reference timing of one GPT training step."
+        description="PyTorch eager reference timing of one GPT training step."
     )
     p.add_argument("--preset", choices=sorted(PRESETS), default="micro")
     p.add_argument("--batch", type=int, default=8, help="sequences per step (B)")
@@ -221,6 +226,10 @@ def parse_args(argv):
         help="AdamW implementation (default fused: fastest on CPU in our runs, "
         "same results as foreach)",
     )
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu",
+        help="where the step runs (cuda: GPU 0)",
+    )
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -228,6 +237,13 @@ def parse_args(argv):
         p.error(f"--steps must be at least {MIN_TIMED_STEPS}")
     if args.batch < 1 or args.threads < 1:
         p.error("--batch and --threads must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        built = torch.version.cuda
+        p.error(
+            f"--device cuda: torch {torch.__version__} "
+            + (f"(built for CUDA {built}) finds no usable GPU: no GPU, or a driver too "
+               "old for that CUDA release" if built else "is a CPU-only build")
+        )
     return args
 
 
@@ -243,15 +259,19 @@ def main(argv=None):
     V, T, C, L, NH = cfg["V"], cfg["T"], cfg["C"], cfg["L"], cfg["NH"]
     B = args.batch
 
-    model = GPT(V, T, C, L, NH, attn_impl=args.attn)
+    # Built on the CPU and then moved, so the initial weights are the same on every device.
+    device = torch.device(args.device)
+    model = GPT(V, T, C, L, NH, attn_impl=args.attn).to(device)
     model.train()
     params = list(model.parameters())  # unique: the tied wte appears once
     n_params = sum(p.numel() for p in params)
     optimizer = make_optimizer(model, args.optim)
 
     # One fixed random batch; its content does not affect the timing.
-    x = torch.randint(0, V, (B, T), dtype=torch.long)
-    y = torch.randint(0, V, (B, T), dtype=torch.long)
+    x = torch.randint(0, V, (B, T), dtype=torch.long).to(device)
+    y = torch.randint(0, V, (B, T), dtype=torch.long).to(device)
+    # CPU eager is synchronous; on CUDA, step() returns once the work is queued.
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -269,15 +289,20 @@ def main(argv=None):
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        loss = step()  # CPU eager is synchronous: the step is done on return
+        loss = step()
+        sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
 
     median_s = statistics.median(times)
+    device_name = args.device
+    if device.type == "cuda":
+        device_name = f"cuda ({torch.cuda.get_device_name(device)})"
     flops = flops_per_step(n_params, L, B, T, C)
     result = {
         "framework": "pytorch",
         "torch_version": torch.__version__,
+        "device": device_name,
         "preset": args.preset,
         "batch": B,
         "context": T,
@@ -297,7 +322,7 @@ def main(argv=None):
         print(json.dumps(result))
     else:
         print(
-            f"pytorch {torch.__version__} preset={args.preset} B={B} T={T} "
+            f"pytorch {torch.__version__} {result['device']} preset={args.preset} B={B} T={T} "
             f"threads={args.threads} attn={args.attn} optim={args.optim} "
             f"params={n_params:,} step median {result['step_ms_median']:.2f} ms "
             f"(min {result['step_ms_min']:.2f} ms) "
