@@ -555,7 +555,15 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                         bail!("the compute thread stopped");
                     }
                 }
-                Action::Event(e) => on_event(e, &peer, &ids, &mut tally),
+                Action::Event(e) => {
+                    if let Event::Banned { peer: banned, .. } = &e
+                        && let Some(&pid) = ids.get(banned)
+                    {
+                        let h = handle.clone();
+                        tokio::spawn(async move { h.ban(pid).await });
+                    }
+                    on_event(e, &peer, &ids, &mut tally);
+                }
             }
         }
         if let Some(t) = tally.finished_at {

@@ -15,7 +15,7 @@ use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, Server
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -28,6 +28,9 @@ use std::time::Duration;
 const ALPN: &[u8] = b"shoal-tensor/1";
 /// How long a direct connection attempt may take before the libp2p path is used instead.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The close code of a connection to or from a banned peer.
+const BANNED: quinn::VarInt = quinn::VarInt::from_u32(2);
 
 /// Accepts any well-formed libp2p certificate (self-signed, with a valid identity extension)
 /// and checks handshake signatures against it; which PeerId it names is checked by the caller.
@@ -216,6 +219,8 @@ pub struct DirectEndpoint {
     inbound: Arc<AtomicUsize>,
     max_inbound: usize,
     ip_slots: super::ip_limits::IpSlots,
+    /// Peers cut off (see [`DirectEndpoint::ban`]).
+    banned: Mutex<HashSet<PeerId>>,
 }
 
 impl DirectEndpoint {
@@ -264,6 +269,7 @@ impl DirectEndpoint {
             inbound: Arc::default(),
             max_inbound,
             ip_slots,
+            banned: Mutex::default(),
         }))
     }
 
@@ -275,6 +281,12 @@ impl DirectEndpoint {
     /// Opens a stream to `peer` at `addr`, connecting first if needed; fails (so the caller
     /// falls back to libp2p) if the peer is unreachable or is not who it should be.
     pub async fn open_stream(&self, peer: PeerId, addr: SocketAddr) -> io::Result<DirectStream> {
+        if self.is_banned(peer) {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "banned peer",
+            ));
+        }
         let existing = self.lock().get(&peer).cloned();
         let conn = match existing {
             // A peer that restarted advertises a new address: the old connection is dead
@@ -309,6 +321,25 @@ impl DirectEndpoint {
         Ok(DirectStream { send, recv })
     }
 
+    /// Cuts `peer` off: the connection to it closes, and its connections are closed at their
+    /// next stream (and at once, when the handshake names it).
+    pub fn ban(&self, peer: PeerId) {
+        self.banned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(peer);
+        if let Some(conn) = self.lock().remove(&peer) {
+            conn.close(BANNED, b"banned");
+        }
+    }
+
+    fn is_banned(&self, peer: PeerId) -> bool {
+        self.banned
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&peer)
+    }
+
     /// Forgets the connection to `peer` (a transfer on it failed), so the next transfer
     /// reconnects. It is not closed: other transfers may still be using it, and it closes by
     /// itself once they are done.
@@ -339,13 +370,21 @@ impl DirectEndpoint {
                 incoming.refuse();
                 continue;
             }
-            let (admit, inbound, slots) =
-                (admit.clone(), self.inbound.clone(), self.ip_slots.clone());
+            let (admit, inbound, slots, this) = (
+                admit.clone(),
+                self.inbound.clone(),
+                self.ip_slots.clone(),
+                self.clone(),
+            );
             tokio::spawn(async move {
                 if let Ok(Ok(conn)) = tokio::time::timeout(CONNECT_TIMEOUT, incoming).await {
                     match remote_peer(&conn) {
                         Some(peer) => {
                             while let Ok((send, recv)) = conn.accept_bi().await {
+                                if this.is_banned(peer) {
+                                    conn.close(BANNED, b"banned");
+                                    break;
+                                }
                                 admit(peer, DirectStream { send, recv });
                             }
                         }

@@ -16,8 +16,9 @@ use futures::StreamExt;
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::{NetworkBehaviour, SwarmEvent};
 use libp2p::{
-    Multiaddr, PeerId, StreamProtocol, Swarm, autonat, connection_limits, dcutr, gossipsub,
-    identify, identity::Keypair, kad, mdns, multiaddr::Protocol, noise, ping, relay, yamux,
+    Multiaddr, PeerId, StreamProtocol, Swarm, allow_block_list, autonat, connection_limits, dcutr,
+    gossipsub, identify, identity::Keypair, kad, mdns, multiaddr::Protocol, noise, ping, relay,
+    yamux,
 };
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
@@ -186,6 +187,7 @@ enum Command {
     Dial(Multiaddr),
     Listen(Multiaddr),
     Peers(oneshot::Sender<Vec<PeerId>>),
+    Ban(PeerId),
 }
 
 /// Direct endpoints that peers advertised, by PeerId.
@@ -238,6 +240,24 @@ impl NodeHandle {
             .await
             .context("node stopped")?;
         rx.await.context("node stopped")
+    }
+
+    /// Cuts `peer` off for the rest of this node's life: its connections close, new ones are
+    /// refused (libp2p and direct alike), its gossip is ignored and it leaves the routing
+    /// table. For a peer the protocol banned: dropping its messages is not enough when it
+    /// may still hold connection slots and stream budgets.
+    pub async fn ban(&self, peer: PeerId) -> anyhow::Result<()> {
+        if let Some(endpoint) = &self.direct {
+            endpoint.ban(peer);
+        }
+        self.direct_addrs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&peer);
+        self.commands
+            .send(Command::Ban(peer))
+            .await
+            .context("node stopped")
     }
 
     /// Opens a raw tensor stream to `peer`, for tools that speak the framing themselves.
@@ -339,6 +359,7 @@ impl NodeHandle {
 
 #[derive(NetworkBehaviour)]
 struct Behaviour {
+    banned: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
     limits: connection_limits::Behaviour,
     ip_limits: ip_limits::Behaviour,
     identify: identify::Behaviour,
@@ -445,6 +466,7 @@ fn build_swarm(
                 relay::Behaviour::new(peer_id, relay_config)
             });
             Ok(Behaviour {
+                banned: allow_block_list::Behaviour::default(),
                 limits: connection_limits::Behaviour::new(limits),
                 ip_limits: ip_limits::Behaviour::new(ip_slots),
                 identify: identify::Behaviour::new(
@@ -665,6 +687,16 @@ async fn event_loop(
                 }
                 Some(Command::Peers(reply)) => {
                     let _ = reply.send(swarm.connected_peers().copied().collect());
+                }
+                Some(Command::Ban(peer)) => {
+                    tracing::info!(%peer, "cutting off a banned peer");
+                    // Blocking closes its connections and refuses new ones.
+                    let behaviour = swarm.behaviour_mut();
+                    behaviour.banned.block_peer(peer);
+                    behaviour.gossipsub.blacklist_peer(&peer);
+                    behaviour.kad.remove_peer(&peer);
+                    state.discovered.remove(&peer);
+                    state.kept.remove(&peer);
                 }
             },
             event = swarm.select_next_some() => {
@@ -932,120 +964,4 @@ fn with_peer(addr: Multiaddr, peer: PeerId) -> Multiaddr {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_global_addresses_are_global() {
-        let global = |a: &str| is_global(&a.parse().expect("address"));
-        for a in [
-            "/ip4/8.8.8.8/udp/1/quic-v1",
-            "/ip6/2001:4860::8888/udp/1/quic-v1",
-            "/dns4/example.org/udp/1/quic-v1",
-        ] {
-            assert!(global(a), "{a}");
-        }
-        for a in [
-            "/ip4/127.0.0.1/udp/1/quic-v1",
-            "/ip4/10.1.2.3/udp/1/quic-v1",
-            "/ip4/172.16.0.1/udp/1/quic-v1",
-            "/ip4/192.168.1.1/udp/1/quic-v1",
-            "/ip4/169.254.1.1/udp/1/quic-v1",
-            "/ip4/100.64.0.1/udp/1/quic-v1",
-            "/ip4/0.0.0.0/udp/1/quic-v1",
-            "/ip6/::1/udp/1/quic-v1",
-            "/ip6/fd00::1/udp/1/quic-v1",
-            "/ip6/fe80::1/udp/1/quic-v1",
-        ] {
-            assert!(!global(a), "{a}");
-        }
-    }
-
-    fn loopback(bootstrap: Vec<Multiaddr>, direct: bool) -> NetConfig {
-        NetConfig {
-            listen: vec!["/ip4/127.0.0.1/udp/0/quic-v1".parse().expect("address")],
-            bootstrap,
-            mdns: false,
-            run: "test".into(),
-            direct,
-            ..NetConfig::default()
-        }
-    }
-
-    async fn until<T>(
-        events: &mut mpsc::Receiver<NodeEvent>,
-        mut pick: impl FnMut(NodeEvent) -> Option<T>,
-    ) -> T {
-        let wait = async {
-            while let Some(e) = events.recv().await {
-                if let Some(t) = pick(e) {
-                    return t;
-                }
-            }
-            panic!("node stopped");
-        };
-        tokio::time::timeout(Duration::from_secs(30), wait)
-            .await
-            .expect("event in time")
-    }
-
-    /// Bursts of streams from several peers at once: libp2p-stream drops an inbound stream
-    /// when the previous one was not taken yet, and the node must send such a frame again.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn bursts_of_frames_from_many_peers_all_arrive() {
-        const SENDERS: usize = 3;
-        const FRAMES: usize = 24;
-        for direct in [false, true] {
-            let (receiver, mut events, mut inbound) =
-                start(Keypair::generate_ed25519(), loopback(Vec::new(), direct))
-                    .await
-                    .expect("receiver starts");
-            let addr = until(&mut events, |e| match e {
-                NodeEvent::Listening(a) => Some(a),
-                _ => None,
-            })
-            .await;
-            let mut sends = Vec::new();
-            for s in 0..SENDERS {
-                let (sender, mut sender_events, _frames) = start(
-                    Keypair::generate_ed25519(),
-                    loopback(vec![addr.clone()], direct),
-                )
-                .await
-                .expect("sender starts");
-                let target = receiver.peer_id;
-                until(&mut sender_events, |e| {
-                    matches!(e, NodeEvent::Discovered(p) if p == target).then_some(())
-                })
-                .await;
-                for f in 0..FRAMES {
-                    let sender = sender.clone();
-                    sends.push(tokio::spawn(async move {
-                        let payload = vec![(s * FRAMES + f) as u8; 1000 + f];
-                        sender
-                            .send_frame(target, shoal_protocol::FrameKind::Tensor, &payload)
-                            .await
-                    }));
-                }
-            }
-            let collect = tokio::spawn(async move {
-                let mut got = HashSet::new();
-                for _ in 0..SENDERS * FRAMES {
-                    let frame = tokio::time::timeout(Duration::from_secs(30), inbound.recv())
-                        .await
-                        .expect("frame in time")
-                        .expect("receiver running");
-                    got.insert((frame.peer, frame.payload[0], frame.payload.len()));
-                }
-                got
-            });
-            for send in sends {
-                send.await
-                    .expect("send task")
-                    .unwrap_or_else(|e| panic!("direct={direct}: {e}"));
-            }
-            let got = collect.await.expect("collector");
-            assert_eq!(got.len(), SENDERS * FRAMES, "direct={direct}");
-        }
-    }
-}
+mod tests;

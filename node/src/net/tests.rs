@@ -1,0 +1,175 @@
+use super::*;
+
+#[test]
+fn only_global_addresses_are_global() {
+    let global = |a: &str| is_global(&a.parse().expect("address"));
+    for a in [
+        "/ip4/8.8.8.8/udp/1/quic-v1",
+        "/ip6/2001:4860::8888/udp/1/quic-v1",
+        "/dns4/example.org/udp/1/quic-v1",
+    ] {
+        assert!(global(a), "{a}");
+    }
+    for a in [
+        "/ip4/127.0.0.1/udp/1/quic-v1",
+        "/ip4/10.1.2.3/udp/1/quic-v1",
+        "/ip4/172.16.0.1/udp/1/quic-v1",
+        "/ip4/192.168.1.1/udp/1/quic-v1",
+        "/ip4/169.254.1.1/udp/1/quic-v1",
+        "/ip4/100.64.0.1/udp/1/quic-v1",
+        "/ip4/0.0.0.0/udp/1/quic-v1",
+        "/ip6/::1/udp/1/quic-v1",
+        "/ip6/fd00::1/udp/1/quic-v1",
+        "/ip6/fe80::1/udp/1/quic-v1",
+    ] {
+        assert!(!global(a), "{a}");
+    }
+}
+
+fn loopback(bootstrap: Vec<Multiaddr>, direct: bool) -> NetConfig {
+    NetConfig {
+        listen: vec!["/ip4/127.0.0.1/udp/0/quic-v1".parse().expect("address")],
+        bootstrap,
+        mdns: false,
+        run: "test".into(),
+        direct,
+        ..NetConfig::default()
+    }
+}
+
+async fn until<T>(
+    events: &mut mpsc::Receiver<NodeEvent>,
+    mut pick: impl FnMut(NodeEvent) -> Option<T>,
+) -> T {
+    let wait = async {
+        while let Some(e) = events.recv().await {
+            if let Some(t) = pick(e) {
+                return t;
+            }
+        }
+        panic!("node stopped");
+    };
+    tokio::time::timeout(Duration::from_secs(30), wait)
+        .await
+        .expect("event in time")
+}
+
+/// Bursts of streams from several peers at once: libp2p-stream drops an inbound stream
+/// when the previous one was not taken yet, and the node must send such a frame again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bursts_of_frames_from_many_peers_all_arrive() {
+    const SENDERS: usize = 3;
+    const FRAMES: usize = 24;
+    for direct in [false, true] {
+        let (receiver, mut events, mut inbound) =
+            start(Keypair::generate_ed25519(), loopback(Vec::new(), direct))
+                .await
+                .expect("receiver starts");
+        let addr = until(&mut events, |e| match e {
+            NodeEvent::Listening(a) => Some(a),
+            _ => None,
+        })
+        .await;
+        let mut sends = Vec::new();
+        for s in 0..SENDERS {
+            let (sender, mut sender_events, _frames) = start(
+                Keypair::generate_ed25519(),
+                loopback(vec![addr.clone()], direct),
+            )
+            .await
+            .expect("sender starts");
+            let target = receiver.peer_id;
+            until(&mut sender_events, |e| {
+                matches!(e, NodeEvent::Discovered(p) if p == target).then_some(())
+            })
+            .await;
+            for f in 0..FRAMES {
+                let sender = sender.clone();
+                sends.push(tokio::spawn(async move {
+                    let payload = vec![(s * FRAMES + f) as u8; 1000 + f];
+                    sender
+                        .send_frame(target, shoal_protocol::FrameKind::Tensor, &payload)
+                        .await
+                }));
+            }
+        }
+        let collect = tokio::spawn(async move {
+            let mut got = HashSet::new();
+            for _ in 0..SENDERS * FRAMES {
+                let frame = tokio::time::timeout(Duration::from_secs(30), inbound.recv())
+                    .await
+                    .expect("frame in time")
+                    .expect("receiver running");
+                got.insert((frame.peer, frame.payload[0], frame.payload.len()));
+            }
+            got
+        });
+        for send in sends {
+            send.await
+                .expect("send task")
+                .unwrap_or_else(|e| panic!("direct={direct}: {e}"));
+        }
+        let got = collect.await.expect("collector");
+        assert_eq!(got.len(), SENDERS * FRAMES, "direct={direct}");
+    }
+}
+
+/// A banned peer is cut off on both transports: its connections close, and what it sends
+/// afterwards (over a new connection) never arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_banned_peer_is_cut_off_and_cannot_come_back() {
+    for direct in [false, true] {
+        let (receiver, mut events, mut inbound) =
+            start(Keypair::generate_ed25519(), loopback(Vec::new(), direct))
+                .await
+                .expect("receiver starts");
+        let addr = until(&mut events, |e| match e {
+            NodeEvent::Listening(a) => Some(a),
+            _ => None,
+        })
+        .await;
+        let (sender, mut sender_events, _frames) = start(
+            Keypair::generate_ed25519(),
+            loopback(vec![addr.clone()], direct),
+        )
+        .await
+        .expect("sender starts");
+        let target = receiver.peer_id;
+        until(&mut sender_events, |e| {
+            matches!(e, NodeEvent::Discovered(p) if p == target).then_some(())
+        })
+        .await;
+        let kind = shoal_protocol::FrameKind::Tensor;
+        sender
+            .send_frame(target, kind, b"before")
+            .await
+            .expect("delivered before the ban");
+        let frame = tokio::time::timeout(Duration::from_secs(30), inbound.recv())
+            .await
+            .expect("frame in time")
+            .expect("receiver running");
+        assert_eq!(frame.payload, b"before");
+
+        receiver.ban(sender.peer_id).await.expect("ban");
+        let banned = sender.peer_id;
+        until(&mut events, |e| {
+            matches!(e, NodeEvent::Disconnected(p) if p == banned).then_some(())
+        })
+        .await;
+        // The banned peer tries again, over a fresh connection if it must.
+        let _ = sender.dial(addr.clone()).await;
+        let sent = tokio::time::timeout(
+            Duration::from_secs(30),
+            sender.send_frame(target, kind, b"after"),
+        )
+        .await
+        .expect("the send gives up in time");
+        assert!(
+            sent.is_err(),
+            "direct={direct}: a banned peer's frame was taken"
+        );
+        assert!(inbound.try_recv().is_err(), "direct={direct}");
+        let connected = receiver.peers().await.expect("peers");
+        assert!(!connected.contains(&banned), "direct={direct}");
+    }
+}
