@@ -445,12 +445,10 @@ impl Round {
                 self.group = group;
                 self.begin(now);
             }
-            (_, RoundMsg::Start { .. }) if Some(from) != self.leader => {
-                self.violation(
-                    from,
-                    "a round start from a peer that does not lead the round",
-                );
-            }
+            // Not this member's leader: replicas whose views of the stage differ (one that just
+            // restarted or joined counts other members) may each take itself to lead. Not a
+            // lie, and not followed.
+            (_, RoundMsg::Start { .. }) if Some(from) != self.leader => {}
             (
                 Phase::AwaitStart | Phase::AwaitContribution,
                 msg @ (RoundMsg::Part { .. } | RoundMsg::Averaged { .. }),
