@@ -54,6 +54,55 @@ async fn until<T>(
         .expect("event in time")
 }
 
+/// A node listening on loopback, and its address.
+async fn listening(
+    direct: bool,
+) -> (
+    NodeHandle,
+    mpsc::Receiver<NodeEvent>,
+    mpsc::Receiver<InboundFrame>,
+    Multiaddr,
+) {
+    let (node, mut events, inbound) =
+        start(Keypair::generate_ed25519(), loopback(Vec::new(), direct))
+            .await
+            .expect("receiver starts");
+    let addr = until(&mut events, |e| match e {
+        NodeEvent::Listening(a) => Some(a),
+        _ => None,
+    })
+    .await;
+    (node, events, inbound, addr)
+}
+
+/// A node bootstrapped from `addr` that has discovered `target` there (its inbound frames are
+/// returned to keep them open).
+async fn joined(
+    addr: &Multiaddr,
+    target: PeerId,
+    direct: bool,
+) -> (NodeHandle, mpsc::Receiver<InboundFrame>) {
+    let (node, mut events, frames) = start(
+        Keypair::generate_ed25519(),
+        loopback(vec![addr.clone()], direct),
+    )
+    .await
+    .expect("sender starts");
+    until(&mut events, |e| {
+        matches!(e, NodeEvent::Discovered(p) if p == target).then_some(())
+    })
+    .await;
+    (node, frames)
+}
+
+/// The next frame `inbound` receives.
+async fn next_frame(inbound: &mut mpsc::Receiver<InboundFrame>) -> InboundFrame {
+    tokio::time::timeout(Duration::from_secs(30), inbound.recv())
+        .await
+        .expect("frame in time")
+        .expect("receiver running")
+}
+
 /// Bursts of streams from several peers at once: libp2p-stream drops an inbound stream
 /// when the previous one was not taken yet, and the node must send such a frame again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -61,28 +110,11 @@ async fn bursts_of_frames_from_many_peers_all_arrive() {
     const SENDERS: usize = 3;
     const FRAMES: usize = 24;
     for direct in [false, true] {
-        let (receiver, mut events, mut inbound) =
-            start(Keypair::generate_ed25519(), loopback(Vec::new(), direct))
-                .await
-                .expect("receiver starts");
-        let addr = until(&mut events, |e| match e {
-            NodeEvent::Listening(a) => Some(a),
-            _ => None,
-        })
-        .await;
+        let (receiver, _events, mut inbound, addr) = listening(direct).await;
         let mut sends = Vec::new();
         for s in 0..SENDERS {
-            let (sender, mut sender_events, _frames) = start(
-                Keypair::generate_ed25519(),
-                loopback(vec![addr.clone()], direct),
-            )
-            .await
-            .expect("sender starts");
             let target = receiver.peer_id;
-            until(&mut sender_events, |e| {
-                matches!(e, NodeEvent::Discovered(p) if p == target).then_some(())
-            })
-            .await;
+            let (sender, _frames) = joined(&addr, target, direct).await;
             for f in 0..FRAMES {
                 let sender = sender.clone();
                 sends.push(tokio::spawn(async move {
@@ -96,10 +128,7 @@ async fn bursts_of_frames_from_many_peers_all_arrive() {
         let collect = tokio::spawn(async move {
             let mut got = HashSet::new();
             for _ in 0..SENDERS * FRAMES {
-                let frame = tokio::time::timeout(Duration::from_secs(30), inbound.recv())
-                    .await
-                    .expect("frame in time")
-                    .expect("receiver running");
+                let frame = next_frame(&mut inbound).await;
                 got.insert((frame.peer, frame.payload[0], frame.payload.len()));
             }
             got
@@ -119,36 +148,15 @@ async fn bursts_of_frames_from_many_peers_all_arrive() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_banned_peer_is_cut_off_and_cannot_come_back() {
     for direct in [false, true] {
-        let (receiver, mut events, mut inbound) =
-            start(Keypair::generate_ed25519(), loopback(Vec::new(), direct))
-                .await
-                .expect("receiver starts");
-        let addr = until(&mut events, |e| match e {
-            NodeEvent::Listening(a) => Some(a),
-            _ => None,
-        })
-        .await;
-        let (sender, mut sender_events, _frames) = start(
-            Keypair::generate_ed25519(),
-            loopback(vec![addr.clone()], direct),
-        )
-        .await
-        .expect("sender starts");
+        let (receiver, mut events, mut inbound, addr) = listening(direct).await;
         let target = receiver.peer_id;
-        until(&mut sender_events, |e| {
-            matches!(e, NodeEvent::Discovered(p) if p == target).then_some(())
-        })
-        .await;
+        let (sender, _frames) = joined(&addr, target, direct).await;
         let kind = shoal_protocol::FrameKind::Tensor;
         sender
             .send_frame(target, kind, b"before")
             .await
             .expect("delivered before the ban");
-        let frame = tokio::time::timeout(Duration::from_secs(30), inbound.recv())
-            .await
-            .expect("frame in time")
-            .expect("receiver running");
-        assert_eq!(frame.payload, b"before");
+        assert_eq!(next_frame(&mut inbound).await.payload, b"before");
 
         receiver.ban(sender.peer_id).await.expect("ban");
         let banned = sender.peer_id;
