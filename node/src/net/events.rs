@@ -1,0 +1,279 @@
+//! The swarm's event loop: the application's commands, and what the swarm's events mean for
+//! the node (addresses, discovery, gossip validation, relays, peers outside the run).
+
+use super::*;
+
+pub(super) async fn event_loop(
+    mut swarm: Swarm<Behaviour>,
+    topic: gossipsub::IdentTopic,
+    mut state: SwarmState,
+    mut commands: mpsc::Receiver<Command>,
+    events: mpsc::Sender<NodeEvent>,
+) {
+    let mut prune = tokio::time::interval(PRUNE_EVERY);
+    loop {
+        tokio::select! {
+            _ = prune.tick() => state.prune_outsiders(&mut swarm),
+            command = commands.recv() => match command {
+                None => break,
+                Some(Command::Publish(data, reply)) => {
+                    let result = swarm
+                        .behaviour_mut()
+                        .gossipsub
+                        .publish(topic.clone(), data)
+                        .map(|_| ())
+                        .map_err(|e| anyhow::anyhow!("gossip publish: {e}"));
+                    let _ = reply.send(result);
+                }
+                Some(Command::Dial(addr)) => {
+                    if let Err(e) = swarm.dial(addr.clone()) {
+                        tracing::warn!(%addr, "dial failed: {e}");
+                    }
+                }
+                Some(Command::Listen(addr)) => {
+                    // A relay circuit can only be reserved over a connection to the relay: wait
+                    // for it (the reservation would otherwise race the dial and be dropped).
+                    match circuit_relay(&addr) {
+                        Some(relay) if !swarm.is_connected(&relay) => {
+                            if let Err(e) = swarm.dial(relay_address(&addr)) {
+                                tracing::warn!(%addr, "cannot dial the relay: {e}");
+                            }
+                            state.pending_circuits.push((relay, addr));
+                        }
+                        _ => listen(&mut swarm, addr),
+                    }
+                }
+                Some(Command::Peers(reply)) => {
+                    let _ = reply.send(swarm.connected_peers().copied().collect());
+                }
+                Some(Command::Ban(peer)) => {
+                    tracing::info!(%peer, "cutting off a banned peer");
+                    // Blocking closes its connections and refuses new ones.
+                    let behaviour = swarm.behaviour_mut();
+                    behaviour.banned.block_peer(peer);
+                    behaviour.gossipsub.blacklist_peer(&peer);
+                    behaviour.kad.remove_peer(&peer);
+                    state.discovered.remove(&peer);
+                    state.kept.remove(&peer);
+                }
+            },
+            event = swarm.select_next_some() => {
+                for e in state.handle(&mut swarm, event) {
+                    // The application is slow: drop this event rather than block the swarm
+                    // (which would stall every connection).
+                    if events.try_send(e).is_err() {
+                        tracing::warn!("node event queue full; dropping an event");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What the event loop remembers between swarm events.
+pub(super) struct SwarmState {
+    pub(super) local: PeerId,
+    pub(super) relay_server: bool,
+    /// Shared with the handle: where each peer's direct endpoint is.
+    pub(super) direct_addrs: DirectAddrs,
+    /// Shoal peers identified so far.
+    pub(super) discovered: HashSet<PeerId>,
+    /// Relay circuits to listen on once the relay is connected.
+    pub(super) pending_circuits: Vec<(PeerId, Multiaddr)>,
+    /// The IP each peer's (non-relayed) connection comes from: where its direct endpoint is.
+    pub(super) remote_ips: HashMap<PeerId, IpAddr>,
+    /// Whether non-global addresses are accepted (see [`NetConfig::allow_private`]).
+    pub(super) allow_private: bool,
+    /// Gossip validation.
+    pub(super) gossip_check: Option<GossipCheck>,
+    /// The run's topic.
+    pub(super) topic: gossipsub::TopicHash,
+    /// Peers never pruned: bootstrap peers and relays this node uses.
+    pub(super) kept: HashSet<PeerId>,
+    /// When each connected peer's first connection came up.
+    pub(super) connected_since: HashMap<PeerId, std::time::Instant>,
+}
+
+impl SwarmState {
+    /// Disconnects peers connected for longer than [`OUTSIDE_RUN_GRACE`] that have not joined
+    /// the run's topic.
+    fn prune_outsiders(&mut self, swarm: &mut Swarm<Behaviour>) {
+        let in_run: HashSet<PeerId> = swarm
+            .behaviour()
+            .gossipsub
+            .all_peers()
+            .filter(|(_, topics)| topics.contains(&&self.topic))
+            .map(|(p, _)| *p)
+            .collect();
+        let outsiders: Vec<PeerId> = self
+            .connected_since
+            .iter()
+            .filter(|(p, since)| {
+                since.elapsed() > OUTSIDE_RUN_GRACE && !in_run.contains(p) && !self.kept.contains(p)
+            })
+            .map(|(p, _)| *p)
+            .collect();
+        for peer in outsiders {
+            tracing::debug!(%peer, "disconnecting a peer outside the run");
+            self.connected_since.remove(&peer);
+            let _ = swarm.disconnect_peer_id(peer);
+        }
+    }
+
+    /// Whether `addr` may enter the routing table or be dialled for discovery.
+    fn admissible(&self, addr: &Multiaddr) -> bool {
+        self.allow_private || is_global(addr)
+    }
+
+    /// Acts on one swarm event; returns what the application should hear of it.
+    fn handle(
+        &mut self,
+        swarm: &mut Swarm<Behaviour>,
+        event: SwarmEvent<BehaviourEvent>,
+    ) -> Vec<NodeEvent> {
+        let mut out = Vec::new();
+        match event {
+            SwarmEvent::NewListenAddr { address, .. } => {
+                // A relay serves only from confirmed external addresses. Whoever runs a node
+                // with --relay-server declares it reachable where it listens (AutoNAT confirms
+                // addresses of ordinary nodes).
+                if self.relay_server {
+                    swarm.add_external_address(address.clone());
+                }
+                out.push(NodeEvent::Listening(with_peer(address, self.local)));
+            }
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                num_established,
+                endpoint,
+                ..
+            } => {
+                let addr = endpoint.get_remote_address();
+                let relayed = addr.iter().any(|p| matches!(p, Protocol::P2pCircuit));
+                if let (false, Some(ip)) = (relayed, multiaddr_ip(addr)) {
+                    self.remote_ips.insert(peer_id, ip);
+                }
+                let (ready, waiting) = std::mem::take(&mut self.pending_circuits)
+                    .into_iter()
+                    .partition(|(relay, _)| *relay == peer_id);
+                self.pending_circuits = waiting;
+                for (relay, addr) in ready {
+                    self.kept.insert(relay);
+                    listen(swarm, addr);
+                }
+                if num_established.get() == 1 {
+                    self.connected_since
+                        .insert(peer_id, std::time::Instant::now());
+                    out.push(NodeEvent::Connected(peer_id));
+                }
+            }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established: 0,
+                ..
+            } => {
+                self.remote_ips.remove(&peer_id);
+                self.connected_since.remove(&peer_id);
+                self.direct_addrs
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&peer_id);
+                out.push(NodeEvent::Disconnected(peer_id));
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Identify(identify::Event::Received {
+                peer_id,
+                info,
+                ..
+            })) if info.protocol_version == IDENTIFY_VERSION => {
+                if let (Some(port), Some(ip)) = (
+                    advertised_direct_port(&info.agent_version),
+                    self.remote_ips.get(&peer_id),
+                ) {
+                    self.direct_addrs
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(peer_id, SocketAddr::new(*ip, port));
+                }
+                for addr in info.listen_addrs {
+                    if self.admissible(&addr) {
+                        swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                    }
+                }
+                if self.discovered.insert(peer_id) {
+                    out.push(NodeEvent::Discovered(peer_id));
+                    // Learn who else our new neighbour knows.
+                    let _ = swarm.behaviour_mut().kad.bootstrap();
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(
+                kad::Event::RoutablePeer { peer, address }
+                | kad::Event::PendingRoutablePeer { peer, address },
+            )) if self.admissible(&address) => {
+                swarm.behaviour_mut().kad.add_address(&peer, address);
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Kad(kad::Event::RoutingUpdated {
+                peer, ..
+            })) if !swarm.is_connected(&peer) => {
+                // Peers found through the DHT: connect, so gossip and tensors can flow.
+                let _ = swarm.dial(peer);
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Mdns(mdns::Event::Discovered(found))) => {
+                for (peer, addr) in found {
+                    swarm.behaviour_mut().kad.add_address(&peer, addr.clone());
+                    if !swarm.is_connected(&peer) {
+                        let _ = swarm.dial(addr);
+                    }
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                propagation_source,
+                message_id,
+                message,
+            })) => {
+                let valid = message.source.filter(|from| {
+                    self.gossip_check
+                        .as_ref()
+                        .is_none_or(|check| (check.0)(from, &message.data))
+                });
+                let verdict = match valid {
+                    Some(_) => gossipsub::MessageAcceptance::Accept,
+                    None => gossipsub::MessageAcceptance::Reject,
+                };
+                swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .report_message_validation_result(&message_id, &propagation_source, verdict);
+                if let Some(from) = valid {
+                    out.push(NodeEvent::Gossip {
+                        from,
+                        via: propagation_source,
+                        data: message.data,
+                    });
+                }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::RelayClient(
+                relay::client::Event::ReservationReqAccepted { relay_peer_id, .. },
+            )) => {
+                self.kept.insert(relay_peer_id);
+                out.push(NodeEvent::RelayReservation(
+                    Multiaddr::empty()
+                        .with(Protocol::P2p(relay_peer_id))
+                        .with(Protocol::P2pCircuit),
+                ));
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result: Ok(_),
+            })) => out.push(NodeEvent::HolePunched(remote_peer_id)),
+            SwarmEvent::IncomingConnectionError {
+                error,
+                send_back_addr,
+                ..
+            } => {
+                tracing::debug!(%send_back_addr, "incoming connection failed: {error}");
+            }
+            _ => {}
+        }
+        out
+    }
+}
