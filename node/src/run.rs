@@ -53,6 +53,8 @@ struct RunReport {
     moves: u64,
     /// Messages dropped as protocol violations (each sender and kind is logged once).
     violations: u64,
+    /// The violations by sender and kind: `[peer id, kind, count]`.
+    violations_by_kind: Vec<(String, String, u64)>,
     /// Peers this peer banned: `[peer id, reason]`, in the order banned.
     banned: Vec<(String, String)>,
     /// Mean loss of the last steps this peer saw as the last stage.
@@ -639,6 +641,11 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             state_transfers: stats.state_transfers,
             moves: stats.moves,
             violations: stats.violations,
+            violations_by_kind: tally
+                .violations
+                .iter()
+                .map(|((from, what), n)| (peer_id(&ids, *from), what.to_string(), *n))
+                .collect(),
             banned: tally.banned,
             final_loss,
             loss_curve: tally.loss_curve,
@@ -664,13 +671,18 @@ fn is_dialable(addr: &Multiaddr) -> bool {
     })
 }
 
+/// A protocol key's libp2p PeerId where it is known.
+fn peer_id(ids: &HashMap<PeerKey, PeerId>, key: PeerKey) -> String {
+    ids.get(&key).map_or(key.to_string(), |p| p.to_string())
+}
+
 fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut Tally) {
     match e {
         Event::Violation { peer: from, what } => {
             let count = tally.violations.entry((from, what)).or_default();
             *count += 1;
             if *count == 1 {
-                let who = ids.get(&from).map_or(from.to_string(), |p| p.to_string());
+                let who = peer_id(ids, from);
                 tracing::warn!("protocol violation by {who}: {what} (dropped; logged once)");
             }
         }
@@ -680,9 +692,7 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
             accusers,
             replicas,
         } => {
-            let who = ids
-                .get(&banned)
-                .map_or(banned.to_string(), |p| p.to_string());
+            let who = peer_id(ids, banned);
             tracing::warn!(
                 "banned {who} for the rest of the run: {why} ({accusers} of its stage's {replicas} replicas accuse it)"
             );

@@ -193,7 +193,11 @@ fn verify(reports: &[(usize, Value)], run_id: &str) {
                 .push(pair[1].as_u64().unwrap());
         }
         assert!(r["steps"].as_u64().unwrap() > 0, "p{i} took steps: {r}");
-        assert_eq!(r["violations"], 0, "p{i}: honest peers break no rule");
+        assert_eq!(
+            r["violations"], 0,
+            "p{i}: honest peers break no rule: {}",
+            r["violations_by_kind"]
+        );
     }
     for (stage, set) in &hashes {
         assert_eq!(set.len(), 1, "stage {stage}: replicas differ: {set:?}");

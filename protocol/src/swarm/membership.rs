@@ -208,13 +208,15 @@ impl Membership {
     /// Picks the replica of `stage` to send a microbatch to, dealt in proportion to measured
     /// throughput over (1 + queue), so fast idle peers get more work and a peer that stopped
     /// answering (and so stopped being announced) gets none. `avoid` is skipped unless it is
-    /// the only choice (a retry goes elsewhere when it can).
+    /// the only choice (a retry goes elsewhere when it can). `factor` scales a candidate's
+    /// announced throughput by the service this peer observed from it (see `service.rs`).
     pub fn route(
         &self,
         stage: u32,
         avoid: Option<PeerKey>,
         routing: Routing,
         dealer: &mut Dealer,
+        factor: impl Fn(PeerKey) -> f64,
     ) -> Option<PeerKey> {
         let mut candidates = self.replicas(stage);
         if candidates.len() > 1 {
@@ -224,8 +226,7 @@ impl Membership {
             Routing::Weighted => route_weights(
                 candidates
                     .iter()
-                    .filter_map(|k| self.members.get(k))
-                    .map(|m| &m.announcement),
+                    .filter_map(|k| Some((&self.members.get(k)?.announcement, factor(*k)))),
             ),
             Routing::Uniform => {
                 let i = dealer.rng.weighted(&vec![1.0; candidates.len()])?;
@@ -327,16 +328,24 @@ pub fn fits(memory: u64, need: u64) -> bool {
 /// rest would hold up the whole swarm.
 pub const STRAGGLER_FACTOR: f64 = 4.0;
 
-/// Routing weights of a list of candidate announcements: throughput / (1 + queue), the inverse
-/// of the expected time to finish one more microbatch, and 0 for a candidate more than
-/// [`STRAGGLER_FACTOR`] times slower by that measure than the best. Peers not measured yet
-/// count as the mean of the measured ones (or 1 if none is), so newcomers get work from the
-/// start.
-pub fn route_weights<'a>(candidates: impl Iterator<Item = &'a Announcement>) -> Vec<f64> {
-    let list: Vec<&Announcement> = candidates.collect();
+/// A factor from the sender's timing at or below which a candidate that announces no measured
+/// throughput yet counts as a straggler (about eight late answers in a row).
+pub const UNMEASURED_LATE: f64 = 1.0 / 16.0;
+
+/// Routing weights of a list of candidate announcements, each with the factor the sender's
+/// own timing of it gives (see `service.rs`): throughput x factor / (1 + queue), the inverse
+/// of the expected time to finish one more microbatch. A candidate is a straggler, and gets
+/// 0, when its announcement alone (throughput / (1 + queue)) says it is more than
+/// [`STRAGGLER_FACTOR`] times slower than the best weight: a low factor scales a candidate's
+/// work down but never takes it all away, so its answers in time can restore it, and a
+/// candidate's inflated claim counts only as far as its factor lets it. Peers not measured
+/// yet count as the mean of the measured ones (or 1 if none is), so newcomers get work from
+/// the start.
+pub fn route_weights<'a>(candidates: impl Iterator<Item = (&'a Announcement, f64)>) -> Vec<f64> {
+    let list: Vec<(&Announcement, f64)> = candidates.collect();
     let measured: Vec<f64> = list
         .iter()
-        .map(|a| a.throughput as f64)
+        .map(|(a, _)| a.throughput as f64)
         .filter(|t| t.is_finite() && *t > 0.0)
         .collect();
     let default = if measured.is_empty() {
@@ -344,17 +353,26 @@ pub fn route_weights<'a>(candidates: impl Iterator<Item = &'a Announcement>) -> 
     } else {
         measured.iter().sum::<f64>() / measured.len() as f64
     };
-    let mut weights: Vec<f64> = list
+    let announced: Vec<f64> = list
         .iter()
-        .map(|a| {
+        .map(|(a, _)| {
             let t = a.throughput as f64;
             let t = if t.is_finite() && t > 0.0 { t } else { default };
             t / (1.0 + a.queue as f64)
         })
         .collect();
+    let mut weights: Vec<f64> = announced
+        .iter()
+        .zip(&list)
+        .map(|(w, (_, factor))| w * factor)
+        .collect();
     let best = weights.iter().copied().fold(0.0, f64::max);
-    for w in &mut weights {
-        if *w * STRAGGLER_FACTOR < best {
+    for ((w, announced), (a, factor)) in weights.iter_mut().zip(&announced).zip(&list) {
+        // A peer not measured yet has no claim to hold it up: the sender's timing is all
+        // there is, and a persistently late one is a straggler (its probes would each hold a
+        // step up, and they end in retries elsewhere, so it would never be measured either).
+        let unmeasured_and_late = a.throughput <= 0.0 && *factor <= UNMEASURED_LATE;
+        if announced * STRAGGLER_FACTOR < best || unmeasured_and_late {
             *w = 0.0;
         }
     }
@@ -549,7 +567,9 @@ mod tests {
         let mut dealer = Dealer::new(7);
         let mut counts = [0u32; 3];
         for _ in 0..20_000 {
-            let k = m.route(1, None, Routing::Weighted, &mut dealer).unwrap();
+            let k = m
+                .route(1, None, Routing::Weighted, &mut dealer, |_| 1.0)
+                .unwrap();
             counts[k.0 as usize - 1] += 1;
         }
         assert_eq!(counts[2], 0, "never routes to another stage");
@@ -560,28 +580,69 @@ mod tests {
         );
         // A queue of 2 on the fast peer makes them equal.
         m.update(PeerKey(1), announcement(1, 30.0, 2), now);
-        let w = route_weights([announcement(1, 30.0, 2), announcement(1, 10.0, 0)].iter());
+        let w = route_weights(
+            [
+                (&announcement(1, 30.0, 2), 1.0),
+                (&announcement(1, 10.0, 0), 1.0),
+            ]
+            .into_iter(),
+        );
         assert!((w[0] - w[1]).abs() < 1e-9);
         // A straggler (here 5x slower than an idle peer) gets nothing until the others queue.
-        let w = route_weights([announcement(1, 50.0, 0), announcement(1, 10.0, 0)].iter());
+        let w = route_weights(
+            [
+                (&announcement(1, 50.0, 0), 1.0),
+                (&announcement(1, 10.0, 0), 1.0),
+            ]
+            .into_iter(),
+        );
         assert_eq!(w, [50.0, 0.0]);
-        let w = route_weights([announcement(1, 50.0, 1), announcement(1, 10.0, 0)].iter());
+        let w = route_weights(
+            [
+                (&announcement(1, 50.0, 1), 1.0),
+                (&announcement(1, 10.0, 0), 1.0),
+            ]
+            .into_iter(),
+        );
         assert_eq!(w, [25.0, 10.0]);
+        // Announcing 100x its speed buys a replica nothing once its answers come late: the
+        // factor from the sender's timing scales the claim down.
+        let liar = announcement(1, 1000.0, 0);
+        let honest = announcement(1, 10.0, 0);
+        let w = route_weights([(&liar, 1.0 / 128.0), (&honest, 1.0)].into_iter());
+        assert!(w[0] < w[1], "{w:?}");
+        let w = route_weights([(&liar, 1.0), (&honest, 1.0)].into_iter());
+        assert_eq!(
+            w[1], 0.0,
+            "the claim alone makes the honest one a straggler"
+        );
+        // A low factor never makes a straggler: the replica keeps some work to be timed by.
+        let w = route_weights([(&honest, 1.0 / 64.0), (&honest, 1.0)].into_iter());
+        assert!(w[0] > 0.0 && w[0] < w[1], "{w:?}");
+        // One not measured yet and persistently late is a straggler.
+        let new = announcement(1, 0.0, 0);
+        let w = route_weights([(&new, 1.0 / 64.0), (&honest, 1.0)].into_iter());
+        assert_eq!(w[0], 0.0, "{w:?}");
+        let w = route_weights([(&new, 0.5), (&honest, 1.0)].into_iter());
+        assert!(w[0] > 0.0, "{w:?}");
         // Retries avoid the previous replica when another exists.
         for _ in 0..100 {
             assert_eq!(
-                m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut dealer),
+                m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut dealer, |_| 1.0),
                 Some(PeerKey(2))
             );
         }
         // A gone peer gets nothing.
         m.remove(PeerKey(2));
         assert_eq!(
-            m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut dealer),
+            m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut dealer, |_| 1.0),
             Some(PeerKey(1))
         );
         m.remove(PeerKey(1));
-        assert_eq!(m.route(1, None, Routing::Weighted, &mut dealer), None);
+        assert_eq!(
+            m.route(1, None, Routing::Weighted, &mut dealer, |_| 1.0),
+            None
+        );
     }
 
     #[test]
@@ -594,7 +655,9 @@ mod tests {
             let mut dealer = Dealer::new(seed);
             let mut counts = [0i64; 3];
             for n in 1..=600i64 {
-                let k = m.route(1, None, Routing::Weighted, &mut dealer).unwrap();
+                let k = m
+                    .route(1, None, Routing::Weighted, &mut dealer, |_| 1.0)
+                    .unwrap();
                 counts[k.0 as usize - 1] += 1;
                 // Never more than one microbatch (plus the random start) from its proportion,
                 // at any point: random picks drift by the square root of the count.
@@ -610,7 +673,7 @@ mod tests {
         // Senders start at different points of the cycle.
         let firsts: std::collections::BTreeSet<PeerKey> = (0..20)
             .map(|seed| {
-                m.route(1, None, Routing::Weighted, &mut Dealer::new(seed))
+                m.route(1, None, Routing::Weighted, &mut Dealer::new(seed), |_| 1.0)
                     .unwrap()
             })
             .collect();
@@ -624,7 +687,9 @@ mod tests {
         m.update(PeerKey(2), announcement(1, 10.0, 0), Duration::ZERO);
         let mut dealer = Dealer::new(7);
         let fast = (0..20_000)
-            .filter(|_| m.route(1, None, Routing::Uniform, &mut dealer) == Some(PeerKey(1)))
+            .filter(|_| {
+                m.route(1, None, Routing::Uniform, &mut dealer, |_| 1.0) == Some(PeerKey(1))
+            })
             .count();
         let share = fast as f64 / 20_000.0;
         assert!((share - 0.5).abs() < 0.02, "uniform: {share}");

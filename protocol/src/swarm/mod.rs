@@ -12,6 +12,9 @@
 //! * [`message`]: what peers say to each other.
 //! * [`membership`]: who serves which stage how fast, learned from gossip; routing weights,
 //!   the stage a joiner takes, and rebalancing moves.
+//! * `service.rs` (`Service`): the next stage's replicas as this peer times them; a replica
+//!   that answers far later than its stage's typical time loses routing weight, whatever it
+//!   announces.
 //! * [`ledger`]: the data driver's record of every microbatch in flight: deadlines, retries,
 //!   at-most-once commit.
 //! * [`averaging`]: one fault-tolerant, compressed reduce-scatter/all-gather round among the
@@ -62,6 +65,7 @@ mod role;
 mod rounds;
 mod scheduler;
 mod server;
+mod service;
 pub mod transfer;
 
 #[cfg(test)]

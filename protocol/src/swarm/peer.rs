@@ -24,6 +24,7 @@ use super::outbox::Outbox;
 use super::role::{self, ChunkOutcome, Phase, Role};
 use super::scheduler::Running;
 use super::server::StageServer;
+use super::service::Service;
 use super::transfer::chunks;
 use super::{PeerKey, SeededRng};
 use std::time::Duration;
@@ -52,6 +53,8 @@ pub struct Peer {
     rng: SeededRng,
     /// Deals this peer's microbatches out to the next stage's replicas.
     dealer: Dealer,
+    /// The next stage's replicas as this peer times them: routing weights follow it.
+    service: Service,
     members: Membership,
     role: Role,
     driver: Driver,
@@ -93,6 +96,7 @@ impl Peer {
             next_announce: now,
             rng,
             dealer,
+            service: Service::default(),
             members: Membership::default(),
             role: Role::joining(&timing, now),
             driver: Driver::new(seed.rotate_left(29) ^ me.0 ^ 0xD121_7E55_A77E_4D15, now),
@@ -468,6 +472,7 @@ impl Peer {
 
     fn peer_gone(&mut self, peer: PeerKey, now: Duration) {
         self.members.remove(peer);
+        self.service.forget(peer);
         self.bans.forget(peer);
         self.steps.forget(peer, now);
         self.driver.fail_hop(peer, now);

@@ -157,9 +157,12 @@ impl Peer {
         };
         let next_stage = self.role.stage().unwrap_or(0) + 1;
         let avoid = self.driver.previous_hop(id);
+        let service = &self.service;
         let next = self
             .members
-            .route(next_stage, avoid, self.routing, &mut self.dealer);
+            .route(next_stage, avoid, self.routing, &mut self.dealer, |k| {
+                service.factor(k)
+            });
         let codec = self.config.codecs.activations;
         let encoded = next.and_then(|_| self.server.encode(&mut self.out, codec, &activations));
         let (Some(next), Some(activations)) = (next, encoded) else {
@@ -178,6 +181,8 @@ impl Peer {
         } else {
             self.server.sent(id, next);
         }
+        let lifetime = self.hop_lifetime();
+        self.service.sent(id, next, now, lifetime);
         self.out.send(
             next,
             Message::Forward(Forward {
@@ -203,6 +208,7 @@ impl Peer {
             );
             return;
         };
+        self.service.answered(b.id, from, now);
         if stage == 0 && self.driver.entry(b.id).is_some() {
             let size = norms::rms(&grad);
             if !self.server.gradient_norms.fits(size) {

@@ -1,0 +1,209 @@
+//! The service each replica of the next stage actually gives this peer, as this peer times it.
+//!
+//! Announced throughput and queue are claims, and routing follows them: a replica announcing a
+//! hundred times its speed would draw most of its stage's microbatches and hold up every step
+//! while they queue there. So a sender also times its own microbatches, from the activations
+//! sent to a replica to the gradient coming back from it. While a replica's average answer
+//! takes more than [`SLACK`] times the stage's typical one (the lower median of the replicas
+//! this peer timed), it is overloaded, whatever it claims: each of its answers then multiplies
+//! the factor its routing weight is scaled by by [`STEP_DOWN`], and each answer in time divides
+//! it back, up to 1. A liar's weight so falls until its queue is what its real speed allows,
+//! while an honest replica, loaded in proportion to its speed, answers in time and keeps its
+//! weight. A microbatch that never comes back counts as a late answer.
+//!
+//! The factor never takes a replica's work away entirely: routing skips a straggler by its
+//! announcement, not by this factor, so a replica whose factor fell in a burst of late answers
+//! still gets some work and its answers in time restore it.
+
+use crate::swarm::PeerKey;
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+/// A replica whose average answer is later than this many times the stage's typical one is
+/// overloaded.
+pub const SLACK: f64 = 2.0;
+
+/// What a late answer multiplies a replica's factor by (an answer in time divides by it).
+const STEP_DOWN: f64 = 0.7;
+
+/// The least factor.
+const MIN_FACTOR: f64 = 1.0 / 1024.0;
+
+/// Weight of a new answer in a replica's moving average.
+const AVERAGE_WEIGHT: f64 = 0.2;
+
+/// Microbatches in flight this peer times at most (more than any window; past it new ones
+/// are not timed).
+const MAX_TIMED: usize = 4096;
+
+/// One replica as timed here.
+#[derive(Clone, Copy, Debug)]
+struct Timed {
+    /// Moving average of its answers' seconds (0: none yet).
+    seconds: f64,
+    /// What its routing weight is multiplied by.
+    factor: f64,
+}
+
+impl Timed {
+    fn scale(&mut self, by: f64) {
+        self.factor = (self.factor * by).clamp(MIN_FACTOR, 1.0);
+    }
+}
+
+/// Timings of the microbatches this peer sent to the next stage.
+#[derive(Debug, Default)]
+pub struct Service {
+    /// Attempt id -> the replica it went to and when.
+    in_flight: HashMap<u64, (PeerKey, Duration)>,
+    replicas: BTreeMap<PeerKey, Timed>,
+}
+
+impl Service {
+    /// The attempt's activations went to `to` at `now`. Attempts sent longer than `lifetime`
+    /// ago and never answered count as late answers of their replicas.
+    pub fn sent(&mut self, attempt: u64, to: PeerKey, now: Duration, lifetime: Duration) {
+        let expired: Vec<u64> = self
+            .in_flight
+            .iter()
+            .filter(|(_, (_, at))| now.saturating_sub(*at) > lifetime)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            if let Some((peer, _)) = self.in_flight.remove(&id) {
+                self.timed(peer).scale(STEP_DOWN);
+            }
+        }
+        if self.in_flight.len() < MAX_TIMED {
+            self.in_flight.insert(attempt, (to, now));
+        }
+    }
+
+    /// The gradient of `attempt` came back from `from`. Only the replica it was sent to
+    /// answers for it.
+    pub fn answered(&mut self, attempt: u64, from: PeerKey, now: Duration) {
+        match self.in_flight.get(&attempt) {
+            Some((to, _)) if *to == from => {}
+            _ => return,
+        }
+        let Some((_, at)) = self.in_flight.remove(&attempt) else {
+            return;
+        };
+        let seconds = now.saturating_sub(at).as_secs_f64();
+        let typical = self.typical();
+        let timed = self.timed(from);
+        timed.seconds = if timed.seconds > 0.0 {
+            (1.0 - AVERAGE_WEIGHT) * timed.seconds + AVERAGE_WEIGHT * seconds
+        } else {
+            seconds
+        };
+        // Its average, not this one answer, against the typical one: single answers vary with
+        // the queues on the way, and an honest replica must not pay for one slow answer.
+        let late = typical.is_some_and(|t| timed.seconds > SLACK * t);
+        timed.scale(if late { STEP_DOWN } else { 1.0 / STEP_DOWN });
+    }
+
+    /// What `peer`'s routing weight is multiplied by: 1 for a replica that answers in time
+    /// (or was never timed).
+    pub fn factor(&self, peer: PeerKey) -> f64 {
+        self.replicas.get(&peer).map_or(1.0, |t| t.factor)
+    }
+
+    /// Forgets a peer that left.
+    pub fn forget(&mut self, peer: PeerKey) {
+        self.replicas.remove(&peer);
+        self.in_flight.retain(|_, (to, _)| *to != peer);
+    }
+
+    fn timed(&mut self, peer: PeerKey) -> &mut Timed {
+        self.replicas.entry(peer).or_insert(Timed {
+            seconds: 0.0,
+            factor: 1.0,
+        })
+    }
+
+    /// The lower median of the replicas' average answer times (None before two are timed):
+    /// with fewer than half of them overloaded, an honest replica's time.
+    fn typical(&self) -> Option<f64> {
+        let mut s: Vec<f64> = self
+            .replicas
+            .values()
+            .map(|t| t.seconds)
+            .filter(|s| *s > 0.0)
+            .collect();
+        if s.len() < 2 {
+            return None;
+        }
+        s.sort_by(f64::total_cmp);
+        Some(s[(s.len() - 1) / 2])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+
+    /// Three replicas answer in 100 ms; a fourth, flooded because it claims more than it
+    /// does, in 1 s: its factor falls while it is late and comes back once it answers in time.
+    #[test]
+    fn a_replica_that_answers_late_loses_weight_and_regains_it_in_time() {
+        let mut s = Service::default();
+        let life = Duration::from_secs(60);
+        let mut id = 0;
+        let mut round = |s: &mut Service, t: u64, liar_ms: u64| {
+            for (peer, took) in [(1, 100), (2, 100), (3, 100), (4, liar_ms)] {
+                id += 1;
+                s.sent(id, PeerKey(peer), ms(t), life);
+                s.answered(id, PeerKey(peer), ms(t + took));
+            }
+        };
+        for i in 0..12 {
+            round(&mut s, i, 1000);
+        }
+        for p in 1..=3 {
+            assert_eq!(s.factor(PeerKey(p)), 1.0);
+        }
+        let low = s.factor(PeerKey(4));
+        assert!(low < 0.05, "{low}");
+        // Answers in time bring it back (its average falls below twice the typical first).
+        for i in 12..60 {
+            round(&mut s, i, 100);
+        }
+        assert_eq!(s.factor(PeerKey(4)), 1.0);
+    }
+
+    #[test]
+    fn only_the_replica_sent_to_answers_and_unanswered_work_counts_late() {
+        let mut s = Service::default();
+        let life = Duration::from_secs(10);
+        s.sent(1, PeerKey(1), ms(0), life);
+        // Another peer cannot answer for it (nor earn its replica a fast time).
+        s.answered(1, PeerKey(2), ms(10));
+        assert_eq!(s.factor(PeerKey(2)), 1.0);
+        assert!(s.in_flight.contains_key(&1));
+        // Never answered: late once its lifetime has passed.
+        s.sent(2, PeerKey(3), ms(20_000), life);
+        assert_eq!(s.factor(PeerKey(1)), STEP_DOWN);
+        assert!(!s.in_flight.contains_key(&1));
+        s.forget(PeerKey(3));
+        assert!(s.in_flight.is_empty());
+        assert_eq!(s.factor(PeerKey(3)), 1.0);
+    }
+
+    #[test]
+    fn the_factor_has_a_floor_and_timings_a_bound() {
+        let mut s = Service::default();
+        for _ in 0..100 {
+            s.timed(PeerKey(1)).scale(STEP_DOWN);
+        }
+        assert_eq!(s.factor(PeerKey(1)), MIN_FACTOR);
+        for id in 0..(MAX_TIMED as u64 + 10) {
+            s.sent(id, PeerKey(2), ms(0), Duration::from_secs(1));
+        }
+        assert_eq!(s.in_flight.len(), MAX_TIMED);
+    }
+}
