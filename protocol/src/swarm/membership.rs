@@ -343,11 +343,9 @@ pub const UNMEASURED_LATE: f64 = 1.0 / 16.0;
 /// the start.
 pub fn route_weights<'a>(candidates: impl Iterator<Item = (&'a Announcement, f64)>) -> Vec<f64> {
     let list: Vec<(&Announcement, f64)> = candidates.collect();
-    let measured: Vec<f64> = list
-        .iter()
-        .map(|(a, _)| a.throughput as f64)
-        .filter(|t| t.is_finite() && *t > 0.0)
-        .collect();
+    // A throughput claim, if the candidate has measured one.
+    let claim = |a: &Announcement| Some(a.throughput as f64).filter(|t| t.is_finite() && *t > 0.0);
+    let measured: Vec<f64> = list.iter().filter_map(|(a, _)| claim(a)).collect();
     let default = if measured.is_empty() {
         1.0
     } else {
@@ -355,11 +353,7 @@ pub fn route_weights<'a>(candidates: impl Iterator<Item = (&'a Announcement, f64
     };
     let announced: Vec<f64> = list
         .iter()
-        .map(|(a, _)| {
-            let t = a.throughput as f64;
-            let t = if t.is_finite() && t > 0.0 { t } else { default };
-            t / (1.0 + a.queue as f64)
-        })
+        .map(|(a, _)| claim(a).unwrap_or(default) / (1.0 + a.queue as f64))
         .collect();
     let mut weights: Vec<f64> = announced
         .iter()
@@ -371,7 +365,7 @@ pub fn route_weights<'a>(candidates: impl Iterator<Item = (&'a Announcement, f64
         // A peer not measured yet has no claim to hold it up: the sender's timing is all
         // there is, and a persistently late one is a straggler (its probes would each hold a
         // step up, and they end in retries elsewhere, so it would never be measured either).
-        let unmeasured_and_late = a.throughput <= 0.0 && *factor <= UNMEASURED_LATE;
+        let unmeasured_and_late = claim(a).is_none() && *factor <= UNMEASURED_LATE;
         if announced * STRAGGLER_FACTOR < best || unmeasured_and_late {
             *w = 0.0;
         }
