@@ -8,7 +8,6 @@ use crate::report;
 use anyhow::{Context, bail};
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
-use serde::Serialize;
 use shoal_compute::data::TextCorpus;
 use shoal_compute::{AnyBackend, Corpus};
 use shoal_node::net::{self, GossipCheck, NetConfig, NodeEvent, NodeHandle, identity};
@@ -27,52 +26,10 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 mod checkpoint;
+mod run_report;
 
 use checkpoint::{Checkpoint, check_run_config, load_checkpoint, save_checkpoint};
-
-/// The JSON report written on exit.
-#[derive(Debug, Serialize)]
-struct RunReport {
-    run_id: String,
-    peer_id: String,
-    /// The compute backend this peer ran its stage on.
-    backend: String,
-    preset: String,
-    sync: String,
-    stage: Option<u32>,
-    stages: u32,
-    steps: u64,
-    rounds: u64,
-    params_hash: Option<String>,
-    resumed_from_step: Option<u64>,
-    microbatches_done: u64,
-    microbatches_retried: u64,
-    microbatches_dropped: u64,
-    rounds_degraded: u64,
-    state_transfers: u64,
-    moves: u64,
-    /// Messages dropped as protocol violations (each sender and kind is logged once).
-    violations: u64,
-    /// The violations by sender and kind: `[peer id, kind, count]`.
-    violations_by_kind: Vec<(String, String, u64)>,
-    /// Peers this peer banned: `[peer id, reason]`, in the order banned.
-    banned: Vec<(String, String)>,
-    /// Mean loss of the last steps this peer saw as the last stage.
-    final_loss: Option<f64>,
-    loss_curve: Vec<(u64, f64)>,
-    /// `[stage, sample]` of every microbatch (by its first sample) whose gradient this peer
-    /// applied: over all replicas of a stage, no sample may appear twice.
-    committed_samples: Vec<(u32, u64)>,
-    /// Tokens of the microbatches this stage committed.
-    tokens: u64,
-    tokens_per_s: f64,
-    seconds: f64,
-    bytes_sent: BTreeMap<String, u64>,
-    bytes_received: BTreeMap<String, u64>,
-    stage_history: Vec<u32>,
-    /// Samples averaged in each step this peer took.
-    step_samples: Vec<f64>,
-}
+use run_report::RunReport;
 
 /// The run's configuration from the command line of the peer that creates it.
 fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {

@@ -1,0 +1,48 @@
+//! What a swarm peer reports on exit (`shoal run --report`).
+
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// The JSON report written on exit.
+#[derive(Debug, Serialize)]
+pub(super) struct RunReport {
+    pub(super) run_id: String,
+    pub(super) peer_id: String,
+    /// The compute backend this peer ran its stage on.
+    pub(super) backend: String,
+    pub(super) preset: String,
+    pub(super) sync: String,
+    pub(super) stage: Option<u32>,
+    pub(super) stages: u32,
+    pub(super) steps: u64,
+    pub(super) rounds: u64,
+    pub(super) params_hash: Option<String>,
+    pub(super) resumed_from_step: Option<u64>,
+    pub(super) microbatches_done: u64,
+    pub(super) microbatches_retried: u64,
+    pub(super) microbatches_dropped: u64,
+    pub(super) rounds_degraded: u64,
+    pub(super) state_transfers: u64,
+    pub(super) moves: u64,
+    /// Messages dropped as protocol violations (each sender and kind is logged once).
+    pub(super) violations: u64,
+    /// The violations by sender and kind: `[peer id, kind, count]`.
+    pub(super) violations_by_kind: Vec<(String, String, u64)>,
+    /// Peers this peer banned: `[peer id, reason]`, in the order banned.
+    pub(super) banned: Vec<(String, String)>,
+    /// Mean loss of the last steps this peer saw as the last stage.
+    pub(super) final_loss: Option<f64>,
+    pub(super) loss_curve: Vec<(u64, f64)>,
+    /// `[stage, sample]` of every microbatch (by its first sample) whose gradient this peer
+    /// applied: over all replicas of a stage, no sample may appear twice.
+    pub(super) committed_samples: Vec<(u32, u64)>,
+    /// Tokens of the microbatches this stage committed.
+    pub(super) tokens: u64,
+    pub(super) tokens_per_s: f64,
+    pub(super) seconds: f64,
+    pub(super) bytes_sent: BTreeMap<String, u64>,
+    pub(super) bytes_received: BTreeMap<String, u64>,
+    pub(super) stage_history: Vec<u32>,
+    /// Samples averaged in each step this peer took.
+    pub(super) step_samples: Vec<f64>,
+}
