@@ -108,6 +108,8 @@ pub struct Round {
     expected: BTreeSet<PeerKey>,
     joined: BTreeSet<PeerKey>,
     group: Vec<PeerKey>,
+    /// The attempt once the group is fixed ([`RoundKey::attempt`]).
+    attempt: u64,
     early: Vec<(PeerKey, RoundMsg)>,
     /// Members that left or were banned (before or during the round): not waited for.
     pub(super) gone: BTreeSet<PeerKey>,
@@ -164,6 +166,7 @@ impl Round {
             expected: BTreeSet::new(),
             joined: BTreeSet::new(),
             group: Vec::new(),
+            attempt: 0,
             early: Vec::new(),
             gone: BTreeSet::new(),
             shares: BTreeMap::new(),
@@ -306,6 +309,9 @@ impl Round {
                 self.shares.insert(*k, (Vec::new(), 0.0, None));
             }
         }
+        self.attempt = self
+            .key
+            .attempt(self.leader.unwrap_or(self.me), &self.group);
         self.phase = Phase::AwaitContribution;
         self.deadline = None;
         self.started = now;
@@ -353,6 +359,7 @@ impl Round {
                 self.out.push_back(RoundOut::Send(
                     self.group[j],
                     RoundMsg::Part {
+                        attempt: self.attempt,
                         part: j as u32,
                         samples,
                         loss,
@@ -411,6 +418,13 @@ impl Round {
 
     /// A round message from `from`.
     pub fn handle(&mut self, from: PeerKey, msg: RoundMsg, now: Duration) {
+        if !self.group.is_empty() && msg.attempt().is_some_and(|a| a != self.attempt) {
+            // Another attempt at this round (a late message from before it was tried again,
+            // or from a member that saw another start): its parts are cut differently, so it
+            // is neither used nor blamed. Withholding this way gains nothing: a share or part
+            // that does not arrive counts as not delivered.
+            return;
+        }
         match (&self.phase, msg) {
             (Phase::Gathering, RoundMsg::Join) => {
                 self.joined.insert(from);
@@ -460,6 +474,7 @@ impl Round {
                     samples,
                     loss,
                     data,
+                    ..
                 },
             ) => {
                 let Some(me) = self.my_index() else { return };
@@ -507,6 +522,7 @@ impl Round {
                     samples,
                     loss,
                     data,
+                    ..
                 },
             ) => {
                 let j = part as usize;
@@ -565,19 +581,20 @@ impl Round {
                 }
                 self.maybe_finish(now);
             }
-            (Phase::Filling, RoundMsg::Missing { part }) if self.group.contains(&from) => {
+            (Phase::Filling, RoundMsg::Missing { part, .. }) if self.group.contains(&from) => {
                 self.missing_answers.entry(part).or_default().insert(from);
                 self.maybe_give_up_fill(now);
             }
-            (_, RoundMsg::Request { part }) => {
+            (_, RoundMsg::Request { part, attempt }) => {
                 let reply = match self.encoded.get(&part) {
                     Some((samples, loss, data)) => RoundMsg::Averaged {
+                        attempt,
                         part,
                         samples: *samples,
                         loss: *loss,
                         data: data.clone(),
                     },
-                    None => RoundMsg::Missing { part },
+                    None => RoundMsg::Missing { attempt, part },
                 };
                 if self.group.contains(&from) {
                     self.out.push_back(RoundOut::Send(from, reply));
@@ -653,6 +670,7 @@ impl Round {
                     self.out.push_back(RoundOut::Send(
                         k,
                         RoundMsg::Averaged {
+                            attempt: self.attempt,
                             part: me as u32,
                             samples,
                             loss,
@@ -753,8 +771,13 @@ impl Round {
             }
             for (i, &k) in self.group.iter().enumerate() {
                 if i != j && Some(i) != me && !self.gone.contains(&k) {
-                    self.out
-                        .push_back(RoundOut::Send(k, RoundMsg::Request { part: j as u32 }));
+                    self.out.push_back(RoundOut::Send(
+                        k,
+                        RoundMsg::Request {
+                            attempt: self.attempt,
+                            part: j as u32,
+                        },
+                    ));
                 }
             }
         }

@@ -179,6 +179,21 @@ impl RoundKey {
     pub fn leader(&self, peers: impl IntoIterator<Item = PeerKey>) -> Option<PeerKey> {
         peers.into_iter().min_by_key(|p| self.rank(*p))
     }
+
+    /// Names one attempt at this round: the leader that started it and the group it
+    /// started. A round tried again (its leader withheld the start, or a member failed and
+    /// re-led) may have another group, so other part ranges and owners; the exchange messages
+    /// carry this, so that a late message of an earlier attempt is told apart from a lie.
+    pub fn attempt(&self, leader: PeerKey, group: &[PeerKey]) -> u64 {
+        let mut bytes = Vec::with_capacity(20 + 8 * group.len());
+        bytes.extend_from_slice(&self.stage.to_le_bytes());
+        bytes.extend_from_slice(&self.index.to_le_bytes());
+        bytes.extend_from_slice(&leader.0.to_le_bytes());
+        for k in group {
+            bytes.extend_from_slice(&k.0.to_le_bytes());
+        }
+        xxhash_rust::xxh3::xxh3_64(&bytes)
+    }
 }
 
 /// Messages of an averaging round.
@@ -193,6 +208,8 @@ pub enum RoundMsg {
     },
     /// A member's share of one part, to that part's owner.
     Part {
+        /// The attempt ([`RoundKey::attempt`]).
+        attempt: u64,
         /// Which part.
         part: u32,
         /// Samples behind the member's contribution.
@@ -205,6 +222,8 @@ pub enum RoundMsg {
     },
     /// From a part's owner: the averaged part.
     Averaged {
+        /// The attempt ([`RoundKey::attempt`]).
+        attempt: u64,
         /// Which part.
         part: u32,
         /// Samples averaged over.
@@ -217,14 +236,31 @@ pub enum RoundMsg {
     },
     /// "Send me averaged part `part` if you have it" (its owner vanished mid-send).
     Request {
+        /// The attempt ([`RoundKey::attempt`]).
+        attempt: u64,
         /// Which part.
         part: u32,
     },
     /// Reply to a request: I do not have it.
     Missing {
+        /// The attempt ([`RoundKey::attempt`]).
+        attempt: u64,
         /// Which part.
         part: u32,
     },
+}
+
+impl RoundMsg {
+    /// The attempt an exchange message belongs to (joins and starts come before there is one).
+    pub fn attempt(&self) -> Option<u64> {
+        match self {
+            RoundMsg::Join | RoundMsg::Start { .. } => None,
+            RoundMsg::Part { attempt, .. }
+            | RoundMsg::Averaged { attempt, .. }
+            | RoundMsg::Request { attempt, .. }
+            | RoundMsg::Missing { attempt, .. } => Some(*attempt),
+        }
+    }
 }
 
 /// Everything except announcements.

@@ -222,11 +222,11 @@ impl Rounds {
                     r.handle(from, msg, now);
                 }
             }
-            RoundMsg::Request { part } => out.send(
+            RoundMsg::Request { attempt, part } => out.send(
                 from,
                 Message::Round {
                     key,
-                    msg: RoundMsg::Missing { part },
+                    msg: RoundMsg::Missing { attempt, part },
                 },
             ),
             RoundMsg::Missing { .. } => {}
@@ -613,7 +613,10 @@ mod tests {
             &mut out,
             3,
             2,
-            RoundMsg::Request { part: 1 },
+            RoundMsg::Request {
+                attempt: 7,
+                part: 1,
+            },
             2,
             true,
             vec![],
@@ -623,7 +626,10 @@ mod tests {
             &mut out,
             3,
             2,
-            RoundMsg::Request { part: 1 },
+            RoundMsg::Request {
+                attempt: 7,
+                part: 1,
+            },
             2,
             false,
             vec![],
@@ -634,7 +640,10 @@ mod tests {
                 to: PeerKey(3),
                 msg: Message::Round {
                     key: key(2),
-                    msg: RoundMsg::Missing { part: 1 }
+                    msg: RoundMsg::Missing {
+                        attempt: 7,
+                        part: 1
+                    }
                 }
             }]
         );

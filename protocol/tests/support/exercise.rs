@@ -295,21 +295,25 @@ impl Exercise {
                             .collect(),
                     },
                     2 => RoundMsg::Part {
+                        attempt: b.u8() as u64,
                         part: (b.u8() % 4) as u32,
                         samples: (b.u8() as f64) / 2.0,
                         loss: None,
                         data: tensor(&vec![0.5; n], poison),
                     },
                     3 => RoundMsg::Averaged {
+                        attempt: b.u8() as u64,
                         part: (b.u8() % 4) as u32,
                         samples: (b.u8() as f64) / 2.0,
                         loss: Some(1.0),
                         data: tensor(&vec![0.5; n], poison),
                     },
                     4 => RoundMsg::Request {
+                        attempt: b.u8() as u64,
                         part: (b.u8() % 4) as u32,
                     },
                     _ => RoundMsg::Missing {
+                        attempt: b.u8() as u64,
                         part: (b.u8() % 4) as u32,
                     },
                 },

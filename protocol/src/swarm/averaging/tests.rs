@@ -126,6 +126,7 @@ fn parts_far_larger_than_this_members_own_are_refused() {
     r.handle(
         b,
         RoundMsg::Part {
+            attempt: r.attempt,
             part: 0,
             samples: 2.0,
             loss: None,
@@ -136,6 +137,7 @@ fn parts_far_larger_than_this_members_own_are_refused() {
     r.handle(
         b,
         RoundMsg::Averaged {
+            attempt: r.attempt,
             part: 1,
             samples: 4.0,
             loss: None,
@@ -166,6 +168,59 @@ fn parts_far_larger_than_this_members_own_are_refused() {
         r.averaged[1].is_none(),
         "the huge averaged part was not taken"
     );
+}
+
+/// A round tried again with another group cuts its parts differently. A message of the earlier
+/// attempt that arrives late (a part of the old size, an averaged part from the old owner) is
+/// neither used nor blamed on its honest sender; the same message of this attempt is.
+#[test]
+fn messages_of_an_earlier_attempt_are_dropped_unblamed() {
+    let key = RoundKey { stage: 1, index: 0 };
+    let (a, b, c) = (PeerKey(1), PeerKey(2), PeerKey(3));
+    let mut r = Round::lead(key, a, &[b], 8, Codec::Fp32, timing(), Duration::ZERO);
+    r.handle(b, RoundMsg::Join, Duration::ZERO);
+    while r.poll().is_some() {}
+    r.contribute(&[2.0; 8], 2.0, None, Duration::ZERO);
+    while r.poll().is_some() {}
+    // The earlier attempt had three members, led by c: parts of 8/3 values.
+    let mut earlier = vec![a, b, c];
+    earlier.sort_by_key(|k| key.rank(*k));
+    let old = key.attempt(c, &earlier);
+    assert_ne!(old, r.attempt);
+    let three = crate::codec::encode_to_vec(Codec::Fp32, &[1.0; 3], &[3]).unwrap();
+    let mine = r.my_index().unwrap() as u32;
+    for attempt in [old, r.attempt] {
+        r.handle(
+            b,
+            RoundMsg::Part {
+                attempt,
+                part: mine,
+                samples: 2.0,
+                loss: None,
+                data: three.clone(),
+            },
+            MS,
+        );
+        r.handle(
+            b,
+            RoundMsg::Averaged {
+                attempt,
+                part: 1 - mine,
+                samples: 4.0,
+                loss: None,
+                data: three.clone(),
+            },
+            MS,
+        );
+        let blamed = std::iter::from_fn(|| r.poll())
+            .filter(|o| matches!(o, RoundOut::Violation(who, _) if *who == b))
+            .count();
+        assert_eq!(
+            blamed,
+            if attempt == old { 0 } else { 2 },
+            "attempt {attempt}"
+        );
+    }
 }
 
 #[test]

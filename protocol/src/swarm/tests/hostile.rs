@@ -213,8 +213,10 @@ impl Attacker {
                 (to, msg, "progress out of role")
             }
             8..=10 => {
-                let (_, to, key) = self.overheard(|m| match m {
-                    Message::Round { key, .. } => Some(*key),
+                // The attempt too, when the message overheard has one: a forged part must be
+                // of the attempt under way to be judged at all.
+                let (_, to, (key, attempt)) = self.overheard(|m| match m {
+                    Message::Round { key, msg } => Some((*key, msg.attempt().unwrap_or(0))),
                     _ => None,
                 })?;
                 let key = RoundKey {
@@ -229,15 +231,17 @@ impl Attacker {
                     (8, _) => RoundMsg::Start {
                         group: vec![ATTACKER, to],
                     },
-                    (9, 0) => RoundMsg::Request { part },
-                    (9, 1) => RoundMsg::Missing { part },
+                    (9, 0) => RoundMsg::Request { attempt, part },
+                    (9, 1) => RoundMsg::Missing { attempt, part },
                     (9, _) => RoundMsg::Part {
+                        attempt,
                         part,
                         samples,
                         loss: Some(f64::NAN),
                         data,
                     },
                     _ => RoundMsg::Averaged {
+                        attempt,
                         part,
                         samples,
                         loss: Some(f64::INFINITY),
