@@ -3,6 +3,7 @@
 //! should move to another stage.
 
 use super::message::{Announcement, MemberState};
+use super::service::Observed;
 use super::{PeerKey, SeededRng};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -216,7 +217,7 @@ impl Membership {
         avoid: Option<PeerKey>,
         routing: Routing,
         dealer: &mut Dealer,
-        factor: impl Fn(PeerKey) -> f64,
+        observed: impl Fn(PeerKey) -> Observed,
     ) -> Option<PeerKey> {
         let mut candidates = self.replicas(stage);
         if candidates.len() > 1 {
@@ -226,7 +227,7 @@ impl Membership {
             Routing::Weighted => route_weights(
                 candidates
                     .iter()
-                    .filter_map(|k| Some((&self.members.get(k)?.announcement, factor(*k)))),
+                    .filter_map(|k| Some((&self.members.get(k)?.announcement, observed(*k)))),
             ),
             Routing::Uniform => {
                 let i = dealer.rng.weighted(&vec![1.0; candidates.len()])?;
@@ -332,17 +333,25 @@ pub const STRAGGLER_FACTOR: f64 = 4.0;
 /// throughput yet counts as a straggler (about eight late answers in a row).
 pub const UNMEASURED_LATE: f64 = 1.0 / 16.0;
 
-/// Routing weights of a list of candidate announcements, each with the factor the sender's
-/// own timing of it gives (see `service.rs`): throughput x factor / (1 + queue), the inverse
-/// of the expected time to finish one more microbatch. A candidate is a straggler, and gets
-/// 0, when its announcement alone (throughput / (1 + queue)) says it is more than
+/// Routing weights of a list of candidate announcements, each with what the sender's own
+/// timing of it says (see `service.rs`): throughput x factor / (1 + queue), the inverse of the
+/// expected time to finish one more microbatch. A candidate is a straggler, and gets 0, when
+/// its announcement alone (throughput / (1 + queue)) says it is more than
 /// [`STRAGGLER_FACTOR`] times slower than the best weight: a low factor scales a candidate's
 /// work down but never takes it all away, so its answers in time can restore it, and a
 /// candidate's inflated claim counts only as far as its factor lets it. Peers not measured
 /// yet count as the mean of the measured ones (or 1 if none is), so newcomers get work from
 /// the start.
-pub fn route_weights<'a>(candidates: impl Iterator<Item = (&'a Announcement, f64)>) -> Vec<f64> {
-    let list: Vec<(&Announcement, f64)> = candidates.collect();
+///
+/// While the sender has timed exactly one candidate, the others it has not timed are not cut
+/// as stragglers: the one timed may owe its place to an inflated claim, and only a second
+/// time shows that (its factor stays 1 until there is a typical time to compare with). Before
+/// any is timed, the claims are all there is.
+pub fn route_weights<'a>(
+    candidates: impl Iterator<Item = (&'a Announcement, Observed)>,
+) -> Vec<f64> {
+    let list: Vec<(&Announcement, Observed)> = candidates.collect();
+    let exploring = list.iter().filter(|(_, o)| o.timed).count() == 1;
     // A throughput claim, if the candidate has measured one.
     let claim = |a: &Announcement| Some(a.throughput as f64).filter(|t| t.is_finite() && *t > 0.0);
     let measured: Vec<f64> = list.iter().filter_map(|(a, _)| claim(a)).collect();
@@ -358,15 +367,17 @@ pub fn route_weights<'a>(candidates: impl Iterator<Item = (&'a Announcement, f64
     let mut weights: Vec<f64> = announced
         .iter()
         .zip(&list)
-        .map(|(w, (_, factor))| w * factor)
+        .map(|(w, (_, o))| w * o.factor)
         .collect();
     let best = weights.iter().copied().fold(0.0, f64::max);
-    for ((w, announced), (a, factor)) in weights.iter_mut().zip(&announced).zip(&list) {
+    for ((w, announced), (a, o)) in weights.iter_mut().zip(&announced).zip(&list) {
         // A peer not measured yet has no claim to hold it up: the sender's timing is all
         // there is, and a persistently late one is a straggler (its probes would each hold a
         // step up, and they end in retries elsewhere, so it would never be measured either).
-        let unmeasured_and_late = claim(a).is_none() && *factor <= UNMEASURED_LATE;
-        if announced * STRAGGLER_FACTOR < best || unmeasured_and_late {
+        let unmeasured_and_late = claim(a).is_none() && o.factor <= UNMEASURED_LATE;
+        let judged = o.timed || !exploring;
+        let straggler = judged && announced * STRAGGLER_FACTOR < best;
+        if straggler || unmeasured_and_late {
             *w = 0.0;
         }
     }
@@ -562,7 +573,9 @@ mod tests {
         let mut counts = [0u32; 3];
         for _ in 0..20_000 {
             let k = m
-                .route(1, None, Routing::Weighted, &mut dealer, |_| 1.0)
+                .route(1, None, Routing::Weighted, &mut dealer, |_| {
+                    Observed::UNTIMED
+                })
                 .unwrap();
             counts[k.0 as usize - 1] += 1;
         }
@@ -576,8 +589,8 @@ mod tests {
         m.update(PeerKey(1), announcement(1, 30.0, 2), now);
         let w = route_weights(
             [
-                (&announcement(1, 30.0, 2), 1.0),
-                (&announcement(1, 10.0, 0), 1.0),
+                (&announcement(1, 30.0, 2), Observed::UNTIMED),
+                (&announcement(1, 10.0, 0), Observed::UNTIMED),
             ]
             .into_iter(),
         );
@@ -585,16 +598,16 @@ mod tests {
         // A straggler (here 5x slower than an idle peer) gets nothing until the others queue.
         let w = route_weights(
             [
-                (&announcement(1, 50.0, 0), 1.0),
-                (&announcement(1, 10.0, 0), 1.0),
+                (&announcement(1, 50.0, 0), Observed::UNTIMED),
+                (&announcement(1, 10.0, 0), Observed::UNTIMED),
             ]
             .into_iter(),
         );
         assert_eq!(w, [50.0, 0.0]);
         let w = route_weights(
             [
-                (&announcement(1, 50.0, 1), 1.0),
-                (&announcement(1, 10.0, 0), 1.0),
+                (&announcement(1, 50.0, 1), Observed::UNTIMED),
+                (&announcement(1, 10.0, 0), Observed::UNTIMED),
             ]
             .into_iter(),
         );
@@ -603,38 +616,56 @@ mod tests {
         // factor from the sender's timing scales the claim down.
         let liar = announcement(1, 1000.0, 0);
         let honest = announcement(1, 10.0, 0);
-        let w = route_weights([(&liar, 1.0 / 128.0), (&honest, 1.0)].into_iter());
+        let timed = |factor| Observed {
+            factor,
+            timed: true,
+        };
+        let w = route_weights([(&liar, timed(1.0 / 128.0)), (&honest, timed(1.0))].into_iter());
         assert!(w[0] < w[1], "{w:?}");
-        let w = route_weights([(&liar, 1.0), (&honest, 1.0)].into_iter());
+        let w = route_weights([(&liar, timed(1.0)), (&honest, timed(1.0))].into_iter());
         assert_eq!(
             w[1], 0.0,
             "the claim alone makes the honest one a straggler"
         );
+        // With only the liar timed there is nothing to judge it by yet: the honest one, not
+        // timed, gets its share of the work so that it can be.
+        let w = route_weights([(&liar, timed(1.0)), (&honest, Observed::UNTIMED)].into_iter());
+        assert!(w[1] > 0.0 && w[1] < w[0], "{w:?}");
         // A low factor never makes a straggler: the replica keeps some work to be timed by.
-        let w = route_weights([(&honest, 1.0 / 64.0), (&honest, 1.0)].into_iter());
+        let w = route_weights([(&honest, timed(1.0 / 64.0)), (&honest, timed(1.0))].into_iter());
         assert!(w[0] > 0.0 && w[0] < w[1], "{w:?}");
         // One not measured yet and persistently late is a straggler.
         let new = announcement(1, 0.0, 0);
-        let w = route_weights([(&new, 1.0 / 64.0), (&honest, 1.0)].into_iter());
+        let late = Observed {
+            factor: 1.0 / 64.0,
+            timed: false,
+        };
+        let w = route_weights([(&new, late), (&honest, timed(1.0))].into_iter());
         assert_eq!(w[0], 0.0, "{w:?}");
-        let w = route_weights([(&new, 0.5), (&honest, 1.0)].into_iter());
+        let w = route_weights([(&new, timed(0.5)), (&honest, timed(1.0))].into_iter());
         assert!(w[0] > 0.0, "{w:?}");
         // Retries avoid the previous replica when another exists.
         for _ in 0..100 {
             assert_eq!(
-                m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut dealer, |_| 1.0),
+                m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut dealer, |_| {
+                    Observed::UNTIMED
+                }),
                 Some(PeerKey(2))
             );
         }
         // A gone peer gets nothing.
         m.remove(PeerKey(2));
         assert_eq!(
-            m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut dealer, |_| 1.0),
+            m.route(1, Some(PeerKey(1)), Routing::Weighted, &mut dealer, |_| {
+                Observed::UNTIMED
+            }),
             Some(PeerKey(1))
         );
         m.remove(PeerKey(1));
         assert_eq!(
-            m.route(1, None, Routing::Weighted, &mut dealer, |_| 1.0),
+            m.route(1, None, Routing::Weighted, &mut dealer, |_| {
+                Observed::UNTIMED
+            }),
             None
         );
     }
@@ -650,7 +681,9 @@ mod tests {
             let mut counts = [0i64; 3];
             for n in 1..=600i64 {
                 let k = m
-                    .route(1, None, Routing::Weighted, &mut dealer, |_| 1.0)
+                    .route(1, None, Routing::Weighted, &mut dealer, |_| {
+                        Observed::UNTIMED
+                    })
                     .unwrap();
                 counts[k.0 as usize - 1] += 1;
                 // Never more than one microbatch (plus the random start) from its proportion,
@@ -667,8 +700,10 @@ mod tests {
         // Senders start at different points of the cycle.
         let firsts: std::collections::BTreeSet<PeerKey> = (0..20)
             .map(|seed| {
-                m.route(1, None, Routing::Weighted, &mut Dealer::new(seed), |_| 1.0)
-                    .unwrap()
+                m.route(1, None, Routing::Weighted, &mut Dealer::new(seed), |_| {
+                    Observed::UNTIMED
+                })
+                .unwrap()
             })
             .collect();
         assert!(firsts.len() > 1, "{firsts:?}");
@@ -682,7 +717,9 @@ mod tests {
         let mut dealer = Dealer::new(7);
         let fast = (0..20_000)
             .filter(|_| {
-                m.route(1, None, Routing::Uniform, &mut dealer, |_| 1.0) == Some(PeerKey(1))
+                m.route(1, None, Routing::Uniform, &mut dealer, |_| {
+                    Observed::UNTIMED
+                }) == Some(PeerKey(1))
             })
             .count();
         let share = fast as f64 / 20_000.0;

@@ -753,6 +753,8 @@ impl Peer {
         self.steps.abandon(&mut self.out);
         self.out.jobs.forget_throughput();
         self.driver.abandon();
+        // Its next stage changes with it: times of the old one's replicas judge nothing there.
+        self.service = Service::default();
     }
 
     fn on_chunk(&mut self, from: PeerKey, chunk: StateChunk, now: Duration) {

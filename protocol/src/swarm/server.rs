@@ -290,8 +290,8 @@ impl StageServer {
     }
 
     /// The gradient of a hop's output came back from the peer it was sent to: run the
-    /// backward pass. Anything else (another sender, a second gradient, a wrong size) is
-    /// ignored.
+    /// backward pass; returns whether it did. Anything else (another sender, a second
+    /// gradient, a wrong size) is ignored.
     pub fn on_backward(
         &mut self,
         out: &mut Outbox,
@@ -300,15 +300,15 @@ impl StageServer {
         grad: Vec<f32>,
         at: &Serving,
         now: Duration,
-    ) {
+    ) -> bool {
         let Some(h) = self.hops.get_mut(&b.id) else {
-            return;
+            return false;
         };
         if h.next != Some(from)
             || h.backward_done
             || grad.len() != at.activation_values * h.rows as usize
         {
-            return;
+            return false;
         }
         if !self.gradient_norms.admits(norms::rms(&grad)) {
             // Its driver retries the microbatch when its deadline passes.
@@ -316,7 +316,7 @@ impl StageServer {
                 from,
                 "an activation gradient far larger than this stage has seen",
             );
-            return;
+            return false;
         }
         h.route = b.route;
         h.expires = now + at.hop_lifetime;
@@ -325,6 +325,7 @@ impl StageServer {
             grad: Some(grad),
             rows: h.rows,
         });
+        true
     }
 
     /// A hop's backward pass finished: send the gradient of its input to the previous stage

@@ -36,6 +36,23 @@ const AVERAGE_WEIGHT: f64 = 0.2;
 /// are not timed).
 const MAX_TIMED: usize = 4096;
 
+/// What a sender's own timing says of one replica of the next stage, for routing.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Observed {
+    /// What its routing weight is multiplied by (1: in time, or never timed).
+    pub factor: f64,
+    /// Whether one of its answers has been timed.
+    pub timed: bool,
+}
+
+impl Observed {
+    /// A replica this sender has no time for.
+    pub const UNTIMED: Observed = Observed {
+        factor: 1.0,
+        timed: false,
+    };
+}
+
 /// One replica as timed here.
 #[derive(Clone, Copy, Debug)]
 struct Timed {
@@ -103,10 +120,14 @@ impl Service {
         timed.scale(if late { STEP_DOWN } else { 1.0 / STEP_DOWN });
     }
 
-    /// What `peer`'s routing weight is multiplied by: 1 for a replica that answers in time
-    /// (or was never timed).
-    pub fn factor(&self, peer: PeerKey) -> f64 {
-        self.replicas.get(&peer).map_or(1.0, |t| t.factor)
+    /// What this peer's timing says of `peer`.
+    pub fn observed(&self, peer: PeerKey) -> Observed {
+        self.replicas
+            .get(&peer)
+            .map_or(Observed::UNTIMED, |t| Observed {
+                factor: t.factor,
+                timed: t.seconds > 0.0,
+            })
     }
 
     /// Forgets a peer that left.
@@ -165,15 +186,15 @@ mod tests {
             round(&mut s, i, 1000);
         }
         for p in 1..=3 {
-            assert_eq!(s.factor(PeerKey(p)), 1.0);
+            assert_eq!(s.observed(PeerKey(p)).factor, 1.0);
         }
-        let low = s.factor(PeerKey(4));
+        let low = s.observed(PeerKey(4)).factor;
         assert!(low < 0.05, "{low}");
         // Answers in time bring it back (its average falls below twice the typical first).
         for i in 12..60 {
             round(&mut s, i, 100);
         }
-        assert_eq!(s.factor(PeerKey(4)), 1.0);
+        assert_eq!(s.observed(PeerKey(4)).factor, 1.0);
     }
 
     #[test]
@@ -183,15 +204,15 @@ mod tests {
         s.sent(1, PeerKey(1), ms(0), life);
         // Another peer cannot answer for it (nor earn its replica a fast time).
         s.answered(1, PeerKey(2), ms(10));
-        assert_eq!(s.factor(PeerKey(2)), 1.0);
+        assert_eq!(s.observed(PeerKey(2)).factor, 1.0);
         assert!(s.in_flight.contains_key(&1));
         // Never answered: late once its lifetime has passed.
         s.sent(2, PeerKey(3), ms(20_000), life);
-        assert_eq!(s.factor(PeerKey(1)), STEP_DOWN);
+        assert_eq!(s.observed(PeerKey(1)).factor, STEP_DOWN);
         assert!(!s.in_flight.contains_key(&1));
         s.forget(PeerKey(3));
         assert!(s.in_flight.is_empty());
-        assert_eq!(s.factor(PeerKey(3)), 1.0);
+        assert_eq!(s.observed(PeerKey(3)).factor, 1.0);
     }
 
     #[test]
@@ -200,7 +221,7 @@ mod tests {
         for _ in 0..100 {
             s.timed(PeerKey(1)).scale(STEP_DOWN);
         }
-        assert_eq!(s.factor(PeerKey(1)), MIN_FACTOR);
+        assert_eq!(s.observed(PeerKey(1)).factor, MIN_FACTOR);
         for id in 0..(MAX_TIMED as u64 + 10) {
             s.sent(id, PeerKey(2), ms(0), Duration::from_secs(1));
         }

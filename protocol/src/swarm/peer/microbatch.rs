@@ -161,7 +161,7 @@ impl Peer {
         let next = self
             .members
             .route(next_stage, avoid, self.routing, &mut self.dealer, |k| {
-                service.factor(k)
+                service.observed(k)
             });
         let codec = self.config.codecs.activations;
         let encoded = next.and_then(|_| self.server.encode(&mut self.out, codec, &activations));
@@ -208,7 +208,6 @@ impl Peer {
             );
             return;
         };
-        self.service.answered(b.id, from, now);
         if stage == 0 && self.driver.entry(b.id).is_some() {
             let size = norms::rms(&grad);
             if !self.server.gradient_norms.fits(size) {
@@ -231,6 +230,7 @@ impl Peer {
                 per_sample,
             );
             if let Some((sample, rows)) = accepted {
+                self.service.answered(id, from, now);
                 self.server.gradient_norms.record(size);
                 self.server.expect_commit(id, sample, rows, None);
                 self.out.compute(Job::Backward {
@@ -242,8 +242,15 @@ impl Peer {
             return;
         }
         let at = self.serving();
-        self.server
-            .on_backward(&mut self.out, from, b, grad, &at, now);
+        let id = b.id;
+        // Only a gradient taken counts as the replica's answer: one refused leaves the
+        // microbatch to time out, late.
+        if self
+            .server
+            .on_backward(&mut self.out, from, b, grad, &at, now)
+        {
+            self.service.answered(id, from, now);
+        }
     }
 
     pub(super) fn on_backward_done(&mut self, id: u64, grad: Option<Vec<f32>>, now: Duration) {
