@@ -209,8 +209,8 @@ impl Membership {
     /// Picks the replica of `stage` to send a microbatch to, dealt in proportion to measured
     /// throughput over (1 + queue), so fast idle peers get more work and a peer that stopped
     /// answering (and so stopped being announced) gets none. `avoid` is skipped unless it is
-    /// the only choice (a retry goes elsewhere when it can). `factor` scales a candidate's
-    /// announced throughput by the service this peer observed from it (see `service.rs`).
+    /// the only choice (a retry goes elsewhere when it can). `observed` is what this peer
+    /// timed of each candidate (see `service.rs` and [`route_weights`]).
     pub fn route(
         &self,
         stage: u32,
