@@ -130,35 +130,33 @@ pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
     let mut centre = vec![0f32; len];
     coordinate_medians(&vals, &inv, &mut centre);
     let mut dist: Vec<f64> = (0..n).map(|j| distance(vals[j], inv[j], &centre)).collect();
-    if lower_median(dist.clone()) > 0.0 {
-        let mut next = vec![0f32; len];
-        for _ in 0..MAX_ITERATIONS {
-            // The radius follows the centre: from a median that half the shares pulled off,
-            // the first radius is wide.
-            let tau = lower_median(dist.clone());
-            if tau <= 0.0 {
-                break;
+    let mut next = vec![0f32; len];
+    for _ in 0..MAX_ITERATIONS {
+        // The radius follows the centre: from a median that half the shares pulled off,
+        // the first radius is wide.
+        let tau = lower_median(dist.clone());
+        if tau <= 0.0 {
+            break;
+        }
+        // centre + sum_j k_j (share_j - centre), as one scaled copy and n axpys.
+        let k: Vec<f64> = (0..n)
+            .map(|j| w[j] * (tau / dist[j]).min(1.0) / total)
+            .collect();
+        let keep = (1.0 - k.iter().sum::<f64>()) as f32;
+        for (y, x) in next.iter_mut().zip(&centre) {
+            *y = keep * x;
+        }
+        for j in 0..n {
+            let a = k[j] as f32 * inv[j];
+            for (y, v) in next.iter_mut().zip(vals[j]) {
+                *y += a * v;
             }
-            // centre + sum_j k_j (share_j - centre), as one scaled copy and n axpys.
-            let k: Vec<f64> = (0..n)
-                .map(|j| w[j] * (tau / dist[j]).min(1.0) / total)
-                .collect();
-            let keep = (1.0 - k.iter().sum::<f64>()) as f32;
-            for (y, x) in next.iter_mut().zip(&centre) {
-                *y = keep * x;
-            }
-            for j in 0..n {
-                let a = k[j] as f32 * inv[j];
-                for (y, v) in next.iter_mut().zip(vals[j]) {
-                    *y += a * v;
-                }
-            }
-            let moved = distance(&next, 1.0, &centre);
-            std::mem::swap(&mut centre, &mut next);
-            dist = (0..n).map(|j| distance(vals[j], inv[j], &centre)).collect();
-            if moved <= CONVERGED * tau {
-                break;
-            }
+        }
+        let moved = distance(&next, 1.0, &centre);
+        std::mem::swap(&mut centre, &mut next);
+        dist = (0..n).map(|j| distance(vals[j], inv[j], &centre)).collect();
+        if moved <= CONVERGED * tau {
+            break;
         }
     }
     let along: Vec<f64> = (0..n).map(|j| dot(vals[j], inv[j], &centre)).collect();
@@ -278,7 +276,7 @@ fn coordinate_medians(vals: &[&[f32]], inv: &[f32], out: &mut [f32]) {
 /// largest of any half of `v`, so when exactly half the shares of a round are malicious (a
 /// minority of the stage, with honest replicas that had no samples sending none) they cannot
 /// set it, where the mean of the two middle values would be half theirs.
-fn lower_median(mut v: Vec<f64>) -> f64 {
+pub(super) fn lower_median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return 0.0;
     }

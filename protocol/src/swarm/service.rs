@@ -146,17 +146,13 @@ impl Service {
     /// The lower median of the replicas' average answer times (None before two are timed):
     /// with fewer than half of them overloaded, an honest replica's time.
     fn typical(&self) -> Option<f64> {
-        let mut s: Vec<f64> = self
+        let s: Vec<f64> = self
             .replicas
             .values()
             .map(|t| t.seconds)
             .filter(|s| *s > 0.0)
             .collect();
-        if s.len() < 2 {
-            return None;
-        }
-        s.sort_by(f64::total_cmp);
-        Some(s[(s.len() - 1) / 2])
+        (s.len() >= 2).then(|| crate::swarm::robust::lower_median(s))
     }
 }
 
