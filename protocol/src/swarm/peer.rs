@@ -753,7 +753,8 @@ impl Peer {
         self.steps.abandon(&mut self.out);
         self.out.jobs.forget_throughput();
         self.driver.abandon();
-        // Its next stage changes with it: times of the old one's replicas judge nothing there.
+        // A new state may come with a new stage, whose next stage's replicas the old times
+        // say nothing about (a re-sync at the same stage starts afresh too).
         self.service = Service::default();
     }
 
