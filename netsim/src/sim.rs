@@ -97,6 +97,11 @@ struct SimPeer {
     timer: Option<u64>,
     /// Whether it misbehaves at some point of the run (see [`Attack`]).
     attacker: bool,
+    /// The identities it speaks for (`sybil:N`: indices of peers whose machine never runs).
+    sybils: Vec<usize>,
+    /// Whether it is such an identity: it announces what its attacker says and nothing else,
+    /// and whatever is sent to it is lost.
+    sybil: bool,
 }
 
 impl SimPeer {
@@ -375,7 +380,7 @@ impl Sim {
             }
             Ev::Script(i) => self.script(i)?,
             Ev::Deliver { to, from, msg } => {
-                if !self.peers[to].alive() {
+                if !self.peers[to].alive() || self.peers[to].sybil {
                     return Ok(());
                 }
                 if self.peers[to].side != self.peers[from].side {
@@ -482,10 +487,75 @@ impl Sim {
                 busy_total: 0.0,
                 timer: None,
                 attacker: group.behavior != Behavior::Honest,
+                sybils: Vec::new(),
+                sybil: false,
             });
+            if let Behavior::Sybil(n) = group.behavior {
+                for _ in 0..n {
+                    self.add_sybil(index, group)?;
+                }
+            }
             self.after(index);
         }
         Ok(())
+    }
+
+    /// Adds an identity that `attacker` speaks for: a key and a link, no work.
+    fn add_sybil(&mut self, attacker: usize, group: &Group) -> Result<(), String> {
+        let key = PeerKey(self.rng.next_u64());
+        let link = AccessLink::new(group.link, &mut self.rng);
+        let machine = Peer::new(
+            key,
+            self.config.clone(),
+            self.costs.clone(),
+            self.timing,
+            key.0,
+            None,
+            self.now_d(),
+        );
+        let worker = Worker::Modelled(Box::new(ModelledStage::new(self.config.clone(), key.0)?));
+        let index = self.peers.len();
+        self.by_key.insert(key, index);
+        self.peers.push(SimPeer {
+            key,
+            machine,
+            worker,
+            device: group.device,
+            link,
+            joined_at: self.now_s(),
+            gone_at: None,
+            side: 0,
+            side_since: 0.0,
+            busy_until: self.now_s(),
+            busy_total: 0.0,
+            timer: None,
+            attacker: true,
+            sybils: Vec::new(),
+            sybil: true,
+        });
+        self.peers[attacker].sybils.push(index);
+        Ok(())
+    }
+
+    /// What a `sybil:N` attacker announces, for itself and for each of its identities: its
+    /// own announcement (its hash already forged), accusing the honest replicas of its stage.
+    fn speak_for_sybils(&mut self, i: usize, a: &mut shoal_protocol::swarm::Announcement) {
+        let stage = a.stage;
+        a.accuses = self
+            .peers
+            .iter()
+            .filter(|p| p.alive() && !p.attacker() && stage.is_some() && p.machine.stage() == stage)
+            .take(shoal_protocol::swarm::bans::MAX_ACCUSATIONS)
+            .map(|p| shoal_protocol::swarm::message::Accusation {
+                peer: p.key,
+                why: shoal_protocol::swarm::message::Misconduct::OpposedTheStage,
+            })
+            .collect();
+        for j in self.peers[i].sybils.clone() {
+            let mut theirs = a.clone();
+            theirs.incarnation = self.peers[j].key.0;
+            self.gossip(j, theirs);
+        }
     }
 
     /// Peers chosen for a crash, leave or partition: named, or drawn by the seed among the
@@ -658,7 +728,12 @@ impl Sim {
                         self.schedule(self.now + 1_000_000, Ev::SendFailed { peer: i, to });
                     }
                 },
-                Action::Announce(a) => self.gossip(i, a),
+                Action::Announce(mut a) => {
+                    if self.peers[i].machine.sybils() > 0 {
+                        self.speak_for_sybils(i, &mut a);
+                    }
+                    self.gossip(i, a)
+                }
                 Action::Compute(job) => {
                     let p = &mut self.peers[i];
                     let took = p.device.job_time(&job, p.machine.stage(), &self.costs);

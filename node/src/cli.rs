@@ -189,7 +189,7 @@ pub struct RunArgs {
     /// Misbehave on purpose, to test the swarm's defences with real processes: sign-flip,
     /// scale:F, noise:SIGMA, zero, nan, ipm:EPS, alie[:Z], stale:K, label-flip, bad-part,
     /// bad-leader, lie-throughput, forge-hash, poison-catch-up or poison-state (test builds
-    /// only: the `attacks` feature).
+    /// only: the `attacks` feature; `sybil:N` is the simulator's alone).
     #[cfg(feature = "attacks")]
     #[arg(long, default_value = "honest")]
     pub behavior: shoal_protocol::swarm::attack::Behavior,

@@ -367,6 +367,11 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     };
     let mut peer = Peer::new(me, config.clone(), costs, timing, seed, resume, now());
     #[cfg(feature = "attacks")]
+    if let shoal_protocol::swarm::attack::Behavior::Sybil(_) = args.behavior {
+        // Its identities are played by the simulator, which knows who colludes.
+        anyhow::bail!("--behavior sybil:N exists in the simulator only (netsim's `behavior`)");
+    }
+    #[cfg(feature = "attacks")]
     peer.set_attack(shoal_protocol::swarm::attack::Attack::new(
         args.behavior,
         Duration::from_secs_f64(args.behavior_from.max(0.0)),

@@ -320,6 +320,31 @@ fn a_poisoned_state_is_refused_and_downloaded_again() {
     );
 }
 
+/// Identities cost nothing: one attacker per stage speaks for 20 more (`sybil:20`), which
+/// announce themselves as replicas of its stage, announce with it one forged parameter hash
+/// per round and accuse every honest replica. Counted by announcements they would outvote
+/// the honest replicas' hash (sending them to download a state nobody serves) and ban them.
+/// Only replicas whose work a peer checked vote, so neither happens: the identities never
+/// deliver a share and are banned for withholding, and the run trains as if they were not
+/// there.
+#[test]
+fn sybils_neither_outvote_nor_frame_the_replicas_that_work() {
+    let honest = run(&attacked("honest"), 1);
+    let r = run(&attacked("sybil:20"), 1);
+    let table = r.table();
+    assert!(r.finished, "{table}");
+    assert_eq!(r.attackers.len(), 42, "{table}");
+    assert_eq!(r.false_bans, 0, "{table}");
+    assert_eq!(r.resyncs, honest.resyncs, "{table}");
+    assert_eq!(r.nonfinite_replicas, 0, "{table}");
+    assert!(r.honest_agree, "{table}");
+    let (loss, honest_loss) = (r.final_loss.unwrap(), honest.final_loss.unwrap());
+    assert!(
+        loss < honest_loss * 1.02,
+        "loss {loss} against {honest_loss} honest"
+    );
+}
+
 /// Attackers that change the values they send (well-formed, finite) break no protocol rule,
 /// so they are judged by what their values do: the part owners' centered clipping bounds
 /// their pull, and the replicas they fail to support (or whose averaged parts disagree with

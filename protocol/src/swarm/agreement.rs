@@ -9,7 +9,7 @@
 use super::PeerKey;
 use super::interface::Event;
 use super::membership::Membership;
-use super::message::{MemberState, Message};
+use super::message::{Announcement, MemberState, Message};
 use super::norms;
 use super::outbox::Outbox;
 use super::server::decode;
@@ -211,16 +211,25 @@ impl CatchUp {
 }
 
 /// The parameter hash more than half of the serving replicas of `stage` announce for
-/// `round`, if there is one.
-pub(super) fn majority_hash(members: &Membership, stage: u32, round: u64) -> Option<u64> {
-    let mut serving = 0;
+/// `round`, if there is one. Only the replicas whose work this peer checked vote (see
+/// [`super::bans::Bans::verified`]), unless it checked none of them: a peer that joins the
+/// stage has seen no work yet and can only count announcements.
+pub(super) fn majority_hash(
+    members: &Membership,
+    stage: u32,
+    round: u64,
+    verified: impl Fn(PeerKey) -> bool,
+) -> Option<u64> {
+    let serving: Vec<(PeerKey, &Announcement)> = members
+        .iter()
+        .map(|(k, m)| (*k, &m.announcement))
+        .filter(|(_, a)| a.state == MemberState::Serving && a.stage == Some(stage))
+        .collect();
+    let checked = serving.iter().any(|(k, _)| verified(*k));
+    let mut voters = 0;
     let mut votes: Vec<(u64, usize)> = Vec::new();
-    for (_, m) in members.iter() {
-        let a = &m.announcement;
-        if a.state != MemberState::Serving || a.stage != Some(stage) {
-            continue;
-        }
-        serving += 1;
+    for (_, a) in serving.iter().filter(|(k, _)| !checked || verified(*k)) {
+        voters += 1;
         if let Some(h) = a.params_hash.filter(|_| a.round == round) {
             match votes.iter_mut().find(|(v, _)| *v == h) {
                 Some((_, n)) => *n += 1,
@@ -230,7 +239,7 @@ pub(super) fn majority_hash(members: &Membership, stage: u32, round: u64) -> Opt
     }
     votes
         .into_iter()
-        .find(|(_, n)| 2 * n > serving)
+        .find(|(_, n)| 2 * n > voters)
         .map(|(h, _)| h)
 }
 
@@ -240,7 +249,10 @@ pub(super) fn majority_hash(members: &Membership, stage: u32, round: u64) -> Opt
 /// serving replica of the stage has announced this round (no vote is still to come) and the
 /// other side has the smaller key. The loser downloads the winner's state. Without the second
 /// condition the first announcement of a round to arrive would win a tie of one against one,
-/// however many replicas were still to announce the majority's hash.
+/// however many replicas were still to announce the majority's hash. Only replicas whose work
+/// this replica checked vote (`verified`): a replica serves, so it has seen its stage's work,
+/// and identities that only announce a hash cannot outvote it however many they are.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn outvoted(
     members: &Membership,
     me: PeerKey,
@@ -249,11 +261,12 @@ pub(super) fn outvoted(
     from: PeerKey,
     theirs: u64,
     mine: u64,
+    verified: impl Fn(PeerKey) -> bool,
 ) -> bool {
     let (mut for_theirs, mut for_mine, mut to_come) = (0, 1, 0);
-    for (_, m) in members.iter() {
+    for (k, m) in members.iter() {
         let a = &m.announcement;
-        if a.state != MemberState::Serving || a.stage != Some(stage) {
+        if a.state != MemberState::Serving || a.stage != Some(stage) || !verified(*k) {
             continue;
         }
         if a.round != round || a.params_hash.is_none() {
@@ -275,6 +288,7 @@ mod tests {
 
     const MS: Duration = Duration::from_millis(1);
     const ME: PeerKey = PeerKey(5);
+    const ALL: fn(PeerKey) -> bool = |_| true;
 
     fn members(list: &[(u64, u32, u64, u64)]) -> Membership {
         fixtures::members(
@@ -397,7 +411,7 @@ mod tests {
     /// round; replicas of other stages or rounds do not vote.
     #[test]
     fn the_side_fewer_replicas_hold_downloads_the_state() {
-        let vote = |m: &Membership, from: u64| outvoted(m, ME, 1, 0, PeerKey(from), 3, 7);
+        let vote = |m: &Membership, from: u64| outvoted(m, ME, 1, 0, PeerKey(from), 3, 7, ALL);
         assert!(vote(&members(&[(3, 1, 0, 3)]), 3), "tie, smaller key");
         assert!(!vote(&members(&[(9, 1, 0, 3)]), 9), "tie, larger key");
         assert!(
@@ -413,12 +427,28 @@ mod tests {
         // The first announcement of a round to arrive does not win a tie while others of
         // the stage are still at an earlier round.
         let early = members(&[(3, 1, 1, 3), (8, 1, 0, 7), (6, 1, 0, 7)]);
-        let vote_at = |m: &Membership, round| outvoted(m, ME, 1, round, PeerKey(3), 3, 7);
+        let vote_at = |m: &Membership, round| outvoted(m, ME, 1, round, PeerKey(3), 3, 7, ALL);
         assert!(!vote_at(&early, 1), "one to one, two still to announce");
         let settled = members(&[(3, 1, 0, 3), (8, 1, 0, 7), (6, 1, 0, 3)]);
         assert!(
             vote_at(&settled, 0),
             "two to two, all announced, smaller key"
         );
+    }
+
+    /// Identities that announce a hash but did no work this replica checked (sybils) do not
+    /// vote, however many; a replica that checked no one's work (it is joining) counts
+    /// every announcement, as it has nothing else to go by.
+    #[test]
+    fn only_replicas_whose_work_was_checked_vote() {
+        let mut list = vec![(8, 1, 0, 7), (6, 1, 0, 7), (4, 1, 0, 7)];
+        list.extend((100..110).map(|k| (k, 1, 0, 3)));
+        let m = members(&list);
+        let checked = |k: PeerKey| k.0 < 10;
+        assert!(!outvoted(&m, ME, 1, 0, PeerKey(100), 3, 7, checked));
+        assert!(outvoted(&m, ME, 1, 0, PeerKey(100), 3, 7, ALL));
+        assert_eq!(majority_hash(&m, 1, 0, checked), Some(7));
+        assert_eq!(majority_hash(&m, 1, 0, |_| false), Some(3));
+        assert_eq!(majority_hash(&m, 1, 0, |k| k.0 == 8), Some(7));
     }
 }

@@ -62,6 +62,11 @@ pub enum Behavior {
     PoisonCatchUp,
     /// Serves joiners a state with its parameters negated (well-formed, with a valid hash).
     PoisonState,
+    /// Speaks for this many more identities that cost it nothing: they announce themselves
+    /// as replicas of its stage and never work. It and they announce one forged parameter
+    /// hash per round and accuse the honest replicas of its stage (who those are is the
+    /// simulator's to say: it knows the colluders). It computes honestly.
+    Sybil(u32),
 }
 
 impl std::str::FromStr for Behavior {
@@ -94,6 +99,12 @@ impl std::str::FromStr for Behavior {
             Some(("noise", sigma)) => Behavior::Noise(number(sigma)?),
             Some(("ipm", eps)) => Behavior::Ipm(number(eps)?),
             Some(("alie", z)) => Behavior::Alie(number(z)?),
+            Some(("sybil", n)) => Behavior::Sybil(
+                n.parse::<u32>()
+                    .ok()
+                    .filter(|n| (1..=1000).contains(n))
+                    .ok_or_else(|| format!("'{n}' is not a number of identities from 1 to 1000"))?,
+            ),
             Some(("stale", k)) => Behavior::Stale(
                 k.parse::<u32>()
                     .ok()
@@ -110,7 +121,7 @@ impl Behavior {
         format!(
             "'{s}' (honest, sign-flip, scale:F, noise:SIGMA, zero, nan, ipm:EPS, alie[:Z], \
              stale:K, label-flip, bad-part, bad-leader, lie-throughput, forge-hash, \
-             poison-catch-up or poison-state)"
+             poison-catch-up, poison-state or sybil:N)"
         )
     }
 }
@@ -214,6 +225,14 @@ impl Attack {
         self.on && self.behavior == Behavior::PoisonState
     }
 
+    /// The identities it speaks for now, beside its own (`sybil:N`).
+    pub fn sybils(&self) -> u32 {
+        match self.behavior {
+            Behavior::Sybil(n) if self.on => n,
+            _ => 0,
+        }
+    }
+
     /// An action as it carries it out.
     pub fn outgoing(&mut self, action: &mut Action) {
         if !self.on {
@@ -237,6 +256,11 @@ impl Attack {
             }
             (Behavior::ForgeHash, Action::Announce(a)) if a.params_hash.is_some() => {
                 a.params_hash = Some(self.rng.next_u64());
+            }
+            (Behavior::Sybil(_), Action::Announce(a)) if a.params_hash.is_some() => {
+                // One hash per round that every colluder computes alike.
+                a.params_hash =
+                    Some(a.round.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x7379_6279_6c21);
             }
             (
                 Behavior::PoisonCatchUp,
@@ -286,10 +310,11 @@ mod tests {
             ("label-flip", Behavior::LabelFlip),
             ("stale:4", Behavior::Stale(4)),
             ("scale:-4", Behavior::Scale(-4.0)),
+            ("sybil:40", Behavior::Sybil(40)),
         ] {
             assert_eq!(text.parse::<Behavior>(), Ok(behavior));
         }
-        for bad in ["alie:x", "stale:0", "flip", "scale:inf"] {
+        for bad in ["alie:x", "stale:0", "flip", "scale:inf", "sybil:0"] {
             let e = bad.parse::<Behavior>().unwrap_err();
             assert!(e.contains(bad.split(':').next_back().unwrap()), "{e}");
         }

@@ -108,6 +108,18 @@ pub enum Evidence {
     },
 }
 
+impl Evidence {
+    /// The member it is about.
+    pub fn peer(&self) -> PeerKey {
+        match *self {
+            Evidence::Share { peer, .. }
+            | Evidence::Part { peer, .. }
+            | Evidence::Delivered { peer, .. }
+            | Evidence::Led { peer, .. } => peer,
+        }
+    }
+}
+
 /// What this peer saw of one member lately.
 #[derive(Debug, Default)]
 struct Record {
@@ -153,6 +165,17 @@ impl Record {
             .flatten()
             .or(parts)
             .or((withheld || misled).then_some(Misconduct::WithheldWork))
+    }
+
+    /// Whether it sent work this peer judged: a share it reduced or a part it received.
+    fn worked(&self) -> bool {
+        !self.shares.is_empty() || !self.parts.is_empty()
+    }
+
+    /// Whether it did work this peer checked: it worked, with nothing to accuse it of. An
+    /// identity that only announces itself never is.
+    fn verified(&self) -> bool {
+        self.worked() && self.verdict().is_none()
     }
 }
 
@@ -202,6 +225,20 @@ impl Bans {
         self.banned.contains(&peer)
     }
 
+    /// Whether `peer`, a replica of this peer's stage, did work in its rounds that this peer
+    /// checked (see [`Record::verified`]): only such replicas count in the votes of a peer
+    /// that serves, so that identities that cost nothing (sybils) cannot outvote it.
+    pub fn verified(&self, peer: PeerKey) -> bool {
+        !self.is_banned(peer) && self.seen.get(&peer).is_some_and(Record::verified)
+    }
+
+    /// Whether `peer`, a replica of this peer's stage, sent shares or parts to its rounds,
+    /// good or bad: unlike [`Bans::verified`] every member of a round sees the same, so
+    /// replicas agree on it (who leads a round must not depend on when each judged whom).
+    pub fn worked(&self, peer: PeerKey) -> bool {
+        !self.is_banned(peer) && self.seen.get(&peer).is_some_and(Record::worked)
+    }
+
     /// This peer's accusations, for its announcements.
     pub fn accusations(&self) -> Vec<Accusation> {
         self.accusing
@@ -215,12 +252,7 @@ impl Bans {
     pub fn observe(&mut self, evidence: &[Evidence], now: Duration) -> Vec<PeerKey> {
         let mut changed = Vec::new();
         for e in evidence {
-            let peer = match *e {
-                Evidence::Share { peer, .. }
-                | Evidence::Part { peer, .. }
-                | Evidence::Delivered { peer, .. }
-                | Evidence::Led { peer, .. } => peer,
-            };
+            let peer = e.peer();
             let r = self.seen.entry(peer).or_default();
             match *e {
                 Evidence::Share { support, .. } => {
@@ -287,19 +319,32 @@ impl Bans {
     }
 
     /// Bans `accused` if more than half of its stage accuses it, as `members` and this peer
-    /// (`me`, serving `my_stage`) see it; returns the ban when it is new.
+    /// (`me`, serving `my_stage`) see it; returns the ban when it is new. A peer that serves
+    /// counts only the replicas whose work it checked: its stage-mates by their shares and
+    /// parts, the replicas of another stage by the microbatches they answered it (`served`).
+    /// Where it checked none it does not judge: an announced replica costs nothing, and a
+    /// swarm of identities that only announce themselves would otherwise decide. A peer that
+    /// serves nothing yet (choosing or downloading a stage) has checked nobody and counts the
+    /// announced replicas, so that it takes up the bans of the stage it joins.
     pub fn judge(
         &mut self,
         accused: PeerKey,
         members: &Membership,
         me: PeerKey,
         my_stage: Option<u32>,
+        served: impl Fn(PeerKey) -> bool,
     ) -> Option<Ban> {
         if self.is_banned(accused) || accused == me {
             return None;
         }
         let stage = members.get(accused)?.announcement.stage?;
         let mut replicas = members.replicas(stage);
+        if my_stage.is_some() {
+            replicas.retain(|&r| r != accused && (self.verified(r) || served(r)));
+            if replicas.is_empty() {
+                return None;
+            }
+        }
         if my_stage == Some(stage) {
             replicas.push(me);
         }
@@ -531,29 +576,86 @@ mod tests {
         assert_eq!(b.accusations()[0].why, Misconduct::WithheldWork);
     }
 
+    /// Rounds in which replicas 2..=5 gave honest shares and 6 opposing ones, as replica 1
+    /// saw them.
+    fn judged_stage_of_six() -> Bans {
+        let mut b = Bans::default();
+        for _ in 0..WINDOW {
+            let mut round: Vec<Evidence> = (2..=5).map(|k| share(PeerKey(k), s(1.0))).collect();
+            round.push(share(PeerKey(6), s(-1.0)));
+            b.observe(&round, Duration::ZERO);
+        }
+        b
+    }
+
+    const NOT_SERVED: fn(PeerKey) -> bool = |_| false;
+
     #[test]
     fn a_ban_needs_more_than_half_of_the_stage() {
         // Six replicas (1..=6), this peer is 1; 6 is accused.
         let mut m = stage_of(6);
         let me = PeerKey(1);
         m.remove(me);
-        let mut b = Bans::default();
-        for _ in 0..WINDOW {
-            b.observe(&[share(PeerKey(6), s(-1.0))], Duration::ZERO);
-        }
+        let mut b = judged_stage_of_six();
+        let judge = |b: &mut Bans, m: &Membership| b.judge(PeerKey(6), m, me, Some(0), NOT_SERVED);
         accuse(&mut m, 2, 6);
-        assert_eq!(b.judge(PeerKey(6), &m, me, Some(0)), None, "2 of 6");
+        assert_eq!(judge(&mut b, &m), None, "2 of 6");
         accuse(&mut m, 3, 6);
-        assert_eq!(
-            b.judge(PeerKey(6), &m, me, Some(0)),
-            None,
-            "3 of 6 is not more than half"
-        );
+        assert_eq!(judge(&mut b, &m), None, "3 of 6 is not more than half");
         accuse(&mut m, 4, 6);
-        let ban = b.judge(PeerKey(6), &m, me, Some(0)).expect("4 of 6");
+        let ban = judge(&mut b, &m).expect("4 of 6");
         assert_eq!((ban.accusers, ban.replicas), (4, 6));
         assert!(b.is_banned(PeerKey(6)));
-        assert_eq!(b.judge(PeerKey(6), &m, me, Some(0)), None, "banned once");
+        assert_eq!(judge(&mut b, &m), None, "banned once");
+    }
+
+    #[test]
+    fn identities_whose_work_nobody_checked_neither_frame_nor_shield() {
+        let me = PeerKey(1);
+        let mut m = stage_of(6);
+        m.remove(me);
+        // Twenty identities announce themselves as replicas of the stage; they never sent a
+        // share. They accuse honest replica 2, and none of them accuses 6.
+        for k in 100..120 {
+            m.update(PeerKey(k), announcement(Some(0)), Duration::ZERO);
+            accuse(&mut m, k, 2);
+        }
+        let mut b = judged_stage_of_six();
+        assert!(b.verified(PeerKey(2)) && !b.verified(PeerKey(6)) && !b.verified(PeerKey(100)));
+        assert_eq!(b.judge(PeerKey(2), &m, me, Some(0), NOT_SERVED), None);
+        // They do not count against a ban either: 4 of the 6 replicas whose work was seen.
+        for k in 2..=4 {
+            accuse(&mut m, k, 6);
+        }
+        let ban = b
+            .judge(PeerKey(6), &m, me, Some(0), NOT_SERVED)
+            .expect("4 of 6");
+        assert_eq!((ban.accusers, ban.replicas), (4, 6));
+        // A peer of another stage counts the replicas that answered its microbatches; one
+        // that checked none of the stage does not judge it.
+        let mut other = Bans::default();
+        let served = |k: PeerKey| (2..=5).contains(&k.0);
+        assert_eq!(
+            other.judge(PeerKey(2), &m, PeerKey(50), Some(1), served),
+            None
+        );
+        assert_eq!(
+            other.judge(PeerKey(3), &m, PeerKey(50), Some(1), NOT_SERVED),
+            None
+        );
+        accuse(&mut m, 5, 3);
+        accuse(&mut m, 4, 3);
+        accuse(&mut m, 2, 3);
+        assert!(
+            other
+                .judge(PeerKey(3), &m, PeerKey(50), Some(1), NOT_SERVED)
+                .is_none()
+        );
+        assert!(
+            other
+                .judge(PeerKey(3), &m, PeerKey(50), Some(1), served)
+                .is_some()
+        );
     }
 
     #[test]
@@ -568,13 +670,16 @@ mod tests {
         accuse(&mut m, 5, 1);
         accuse(&mut m, 6, 1);
         let mut b = Bans::default();
-        assert_eq!(b.judge(PeerKey(1), &m, PeerKey(99), None), None);
+        assert_eq!(b.judge(PeerKey(1), &m, PeerKey(99), None, NOT_SERVED), None);
         // A peer that serves no stage is judged by nobody's stage.
         m.update(PeerKey(20), announcement(None), Duration::ZERO);
         for k in 2..7 {
             accuse(&mut m, k, 20);
         }
-        assert_eq!(b.judge(PeerKey(20), &m, PeerKey(99), None), None);
+        assert_eq!(
+            b.judge(PeerKey(20), &m, PeerKey(99), None, NOT_SERVED),
+            None
+        );
     }
 
     /// Shares with no common signal (pure noise, as late in training or in a modelled run):

@@ -280,9 +280,10 @@ impl StepCoordinator {
         if self.finished {
             return None;
         }
+        let vouched = members.vouched(stage);
         members
             .iter()
-            .filter(|(_, m)| m.serves(stage) && m.announcement.round > self.round)
+            .filter(|(k, m)| m.serves(stage) && m.announcement.round > self.round && vouched(**k))
             .max_by_key(|(_, m)| m.announcement.round)
             .map(|(k, _)| *k)
     }
@@ -299,7 +300,7 @@ impl StepCoordinator {
         let lagging = allreduce
             .then(|| self.slowest_stage_round(members))
             .filter(|slowest| slowest.saturating_add(1) < self.round);
-        let drivers = members.replicas(0);
+        let drivers = members.vouched_replicas(0);
         let (quota, others) = if allreduce {
             (batch, Some(self.progress.reported(&drivers, round, true)))
         } else {
@@ -404,7 +405,9 @@ impl StepCoordinator {
         if self.rounds.follow_early_invitation(key, len, now) {
             return;
         }
-        let replicas = members.replicas(stage);
+        // Identities that never sent this replica work neither lead nor are waited for (one
+        // that joins anyway takes part).
+        let replicas = members.workers(stage);
         match self.settings.sync {
             SyncMode::AllReduce => {
                 let total = self.accumulated + self.progress.reported(&replicas, self.round, false);
@@ -484,7 +487,9 @@ impl StepCoordinator {
 
     /// A replica of this replica's stage announced itself (serving, no round under way
     /// here). One a round ahead is caught up with; one at the same round with other
-    /// parameters calls the hash vote (see [`outvoted`]).
+    /// parameters calls the hash vote (see [`outvoted`]). Both go by the replicas whose work
+    /// this replica checked ([`Membership::is_checked`]): a catch-up is asked of one of them
+    /// where there is one (an identity that only announces a later round never answers).
     pub fn on_replica_announced(
         &mut self,
         out: &mut Outbox,
@@ -498,7 +503,9 @@ impl StepCoordinator {
             return None;
         }
         if a.round > self.round && !self.finished {
-            self.catch_up(out, stage, from, now);
+            if members.vouched(stage)(from) {
+                self.catch_up(out, stage, from, now);
+            }
             return None;
         }
         let (theirs, mine) = (a.params_hash?, self.params_hash?);
@@ -506,7 +513,8 @@ impl StepCoordinator {
             return None;
         }
         let me = self.settings.me;
-        outvoted(members, me, stage, self.round, from, theirs, mine).then_some(Resync {
+        let checked = |k| members.is_checked(k);
+        outvoted(members, me, stage, self.round, from, theirs, mine, checked).then_some(Resync {
             from,
             reason: "parameters differ from the stage's other replicas",
             elsewhere: false,
@@ -606,7 +614,7 @@ impl StepCoordinator {
             return;
         }
         let len = self.params(key.stage);
-        let replicas = members.replicas(key.stage);
+        let replicas = members.workers(key.stage);
         self.rounds.on_message(
             out,
             from,

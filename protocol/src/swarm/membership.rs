@@ -18,6 +18,10 @@ pub struct Member {
     /// The peer whose gossip introduced it, while it has given no evidence of its own (a
     /// message on a connection of its own); None once it has.
     pub relayed_by: Option<PeerKey>,
+    /// Whether this peer checked work it did lately (see [`Membership::set_checked`]).
+    pub checked: bool,
+    /// Whether it sent this peer work at all, good or bad (see [`Membership::set_checked`]).
+    pub worked: bool,
 }
 
 impl Member {
@@ -111,6 +115,8 @@ impl Membership {
                 announcement,
                 last_seen: now,
                 relayed_by: relay,
+                checked: false,
+                worked: false,
             },
         );
         true
@@ -152,6 +158,64 @@ impl Membership {
     /// Forgets a peer (it left, its connection died or a send to it failed).
     pub fn remove(&mut self, peer: PeerKey) -> bool {
         self.members.remove(&peer).is_some()
+    }
+
+    /// Records whether this peer checked work `peer` did lately: a share or part of its stage
+    /// that gave nothing to accuse it of, or a microbatch it answered. An identity costs
+    /// nothing to make, so counts that decide something (votes, leaders, who drives how much)
+    /// go by the checked members where there are any (see [`Membership::vouched`]). Whether
+    /// it `worked` at all, good or bad, is what every replica of a stage sees alike: who leads
+    /// and who is waited for go by that (see [`Membership::workers`]).
+    pub fn set_checked(&mut self, peer: PeerKey, checked: bool, worked: bool) {
+        if let Some(m) = self.members.get_mut(&peer) {
+            m.checked = checked;
+            m.worked = worked || checked;
+        }
+    }
+
+    /// Whether this peer checked work `peer` did lately.
+    pub fn is_checked(&self, peer: PeerKey) -> bool {
+        self.members.get(&peer).is_some_and(|m| m.checked)
+    }
+
+    /// Forgets every check that `still` does not confirm (checked, worked).
+    pub fn recheck(&mut self, still: impl Fn(PeerKey) -> (bool, bool)) {
+        for (k, m) in self.members.iter_mut() {
+            let (checked, worked) = still(*k);
+            m.checked = m.checked && checked;
+            m.worked = m.worked && worked;
+        }
+    }
+
+    /// The replicas of `stage` that sent this peer work, good or bad, or all of them where
+    /// none did: an identity that only announces itself neither leads a round nor is waited
+    /// for (one that joins a round anyway takes part in it).
+    pub fn workers(&self, stage: u32) -> Vec<PeerKey> {
+        let replicas = self.replicas(stage);
+        let worked: Vec<PeerKey> = replicas
+            .iter()
+            .copied()
+            .filter(|k| self.members.get(k).is_some_and(|m| m.worked))
+            .collect();
+        if worked.is_empty() { replicas } else { worked }
+    }
+
+    /// The replicas of `stage` that count for what this peer decides (see
+    /// [`Membership::vouched`]).
+    pub fn vouched_replicas(&self, stage: u32) -> Vec<PeerKey> {
+        let vouched = self.vouched(stage);
+        self.replicas(stage)
+            .into_iter()
+            .filter(|k| vouched(*k))
+            .collect()
+    }
+
+    /// Whether `peer` counts among the replicas of `stage` for what this peer decides: it
+    /// was checked, or no replica of the stage was (a peer new to the stage has seen no work
+    /// yet and can only go by announcements).
+    pub fn vouched(&self, stage: u32) -> impl Fn(PeerKey) -> bool + '_ {
+        let any = self.members.values().any(|m| m.checked && m.serves(stage));
+        move |k| !any || self.is_checked(k)
     }
 
     /// Forgets peers silent for longer than `timeout`; returns them.
@@ -346,7 +410,10 @@ pub const UNMEASURED_LATE: f64 = 1.0 / 16.0;
 /// While the sender has timed exactly one candidate, the others it has not timed are not cut
 /// as stragglers: the one timed may owe its place to an inflated claim, and only a second
 /// time shows that (its factor stays 1 until there is a typical time to compare with). Before
-/// any is timed, the claims are all there is.
+/// any is timed, the claims are all there is. Once one is, a candidate that never answered
+/// and has a microbatch in flight (on probation) gets no other until it answers, while another
+/// candidate can take it: an identity that announces throughput and answers nothing costs a
+/// sender one microbatch, not its share of them.
 pub fn route_weights<'a>(
     candidates: impl Iterator<Item = (&'a Announcement, Observed)>,
 ) -> Vec<f64> {
@@ -379,6 +446,16 @@ pub fn route_weights<'a>(
         let straggler = judged && announced * STRAGGLER_FACTOR < best;
         if straggler || unmeasured_and_late {
             *w = 0.0;
+        }
+    }
+    if list.iter().any(|(_, o)| o.probing) {
+        let free = |(w, (_, o)): (&f64, &(&Announcement, Observed))| *w > 0.0 && o.timed;
+        if weights.iter().zip(&list).any(free) {
+            for (w, (_, o)) in weights.iter_mut().zip(&list) {
+                if !o.timed {
+                    *w = 0.0;
+                }
+            }
         }
     }
     weights
@@ -619,6 +696,7 @@ mod tests {
         let timed = |factor| Observed {
             factor,
             timed: true,
+            probing: false,
         };
         let w = route_weights([(&liar, timed(1.0 / 128.0)), (&honest, timed(1.0))].into_iter());
         assert!(w[0] < w[1], "{w:?}");
@@ -639,9 +717,26 @@ mod tests {
         let late = Observed {
             factor: 1.0 / 64.0,
             timed: false,
+            probing: false,
         };
         let w = route_weights([(&new, late), (&honest, timed(1.0))].into_iter());
         assert_eq!(w[0], 0.0, "{w:?}");
+        // One that never answered gets one microbatch at a time until it does, while another
+        // can take the work; before anyone is timed, all there is are claims.
+        let probing = Observed {
+            probing: true,
+            ..Observed::UNTIMED
+        };
+        let w = route_weights([(&honest, probing), (&honest, timed(1.0))].into_iter());
+        assert_eq!(w, [0.0, 10.0]);
+        let w = route_weights([(&honest, probing), (&honest, Observed::UNTIMED)].into_iter());
+        assert_eq!(w, [10.0, 10.0]);
+        let w = route_weights(
+            [(&honest, probing), (&honest, timed(1.0))]
+                .into_iter()
+                .take(1),
+        );
+        assert_eq!(w, [10.0]);
         let w = route_weights([(&new, timed(0.5)), (&honest, timed(1.0))].into_iter());
         assert!(w[0] > 0.0, "{w:?}");
         // Retries avoid the previous replica when another exists.

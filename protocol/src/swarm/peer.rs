@@ -261,6 +261,12 @@ impl Peer {
         self.attack.as_ref().is_some_and(Attack::poisons_state)
     }
 
+    /// The identities this peer speaks for beside its own, now (a scripted attacker's
+    /// sybils; see [`Attack::sybils`]).
+    pub fn sybils(&self) -> u32 {
+        self.attack.as_ref().map_or(0, Attack::sybils)
+    }
+
     /// When [`Peer::handle_timeout`] must be called next: the earliest deadline of any part.
     pub fn poll_timeout(&self) -> Option<Duration> {
         [
@@ -344,6 +350,13 @@ impl Peer {
             let evidence = std::mem::take(&mut self.out.evidence);
             for peer in self.bans.observe(&evidence, now) {
                 self.judge(peer, now);
+            }
+            for e in &evidence {
+                let peer = e.peer();
+                let served = self.service.observed(peer).timed;
+                let checked = self.bans.verified(peer) || served;
+                self.members
+                    .set_checked(peer, checked, self.bans.worked(peer) || served);
             }
         }
         self.pump(now);
@@ -601,12 +614,14 @@ impl Peer {
     /// Bans `peer` if its stage's majority now accuses it (see [`bans`]).
     fn judge(&mut self, peer: PeerKey, now: Duration) {
         let mine = self.role.serving();
+        let service = &self.service;
+        let served = |r| service.observed(r).timed;
         if let Some(Ban {
             peer,
             why,
             accusers,
             replicas,
-        }) = self.bans.judge(peer, &self.members, self.me, mine)
+        }) = self.bans.judge(peer, &self.members, self.me, mine, served)
         {
             self.out.event(Event::Banned {
                 peer,
@@ -701,7 +716,7 @@ impl Peer {
     /// than `avoid`, whose state was refused, if there is another), or builds it fresh if it
     /// has none.
     fn sync_from_someone(&mut self, stage: u32, avoid: Option<PeerKey>, now: Duration) {
-        let mut replicas = self.members.replicas(stage);
+        let mut replicas = self.members.vouched_replicas(stage);
         if replicas.len() > 1 {
             replicas.retain(|k| Some(*k) != avoid);
         }
@@ -756,6 +771,8 @@ impl Peer {
         // A new state may come with a new stage, whose next stage's replicas the old times
         // say nothing about (a re-sync at the same stage starts afresh too).
         self.service = Service::default();
+        let bans = &self.bans;
+        self.members.recheck(|k| (bans.verified(k), bans.worked(k)));
     }
 
     fn on_chunk(&mut self, from: PeerKey, chunk: StateChunk, now: Duration) {
@@ -794,8 +811,10 @@ impl Peer {
         // another replica asked. (When the stage has moved on, the hash vote after the next
         // round does the same.)
         if let (Some(mine), Some(source)) = (hash, source)
-            && agreement::majority_hash(&self.members, stage, self.steps.round())
-                .is_some_and(|h| h != mine)
+            && agreement::majority_hash(&self.members, stage, self.steps.round(), |k| {
+                self.members.is_checked(k)
+            })
+            .is_some_and(|h| h != mine)
         {
             self.out.event(Event::StateRefused { from: source });
             self.sync_from_someone(stage, Some(source), now);

@@ -9,7 +9,10 @@
 //! the factor its routing weight is scaled by by [`STEP_DOWN`], and each answer in time divides
 //! it back, up to 1. A liar's weight so falls until its queue is what its real speed allows,
 //! while an honest replica, loaded in proportion to its speed, answers in time and keeps its
-//! weight. A microbatch that never comes back counts as a late answer.
+//! weight. A microbatch that never comes back counts as a late answer; from a replica that
+//! never answered one, it leaves the replica the least factor until its first answer (then
+//! 1): identities cost nothing, and a swarm of them announcing throughput and answering
+//! nothing would otherwise draw most microbatches, each lost to a timeout.
 //!
 //! The factor never takes a replica's work away entirely: routing skips a straggler by its
 //! announcement, not by this factor, so a replica whose factor fell in a burst of late answers
@@ -43,6 +46,8 @@ pub struct Observed {
     pub factor: f64,
     /// Whether one of its answers has been timed.
     pub timed: bool,
+    /// Never answered, with a microbatch from this sender in flight: on probation.
+    pub probing: bool,
 }
 
 impl Observed {
@@ -50,6 +55,7 @@ impl Observed {
     pub const UNTIMED: Observed = Observed {
         factor: 1.0,
         timed: false,
+        probing: false,
     };
 }
 
@@ -60,6 +66,8 @@ struct Timed {
     seconds: f64,
     /// What its routing weight is multiplied by.
     factor: f64,
+    /// Microbatches in flight to it.
+    in_flight: u32,
 }
 
 impl Timed {
@@ -88,11 +96,18 @@ impl Service {
             .collect();
         for id in expired {
             if let Some((peer, _)) = self.in_flight.remove(&id) {
-                self.timed(peer).scale(STEP_DOWN);
+                let timed = self.timed(peer);
+                timed.in_flight = timed.in_flight.saturating_sub(1);
+                if timed.seconds > 0.0 {
+                    timed.scale(STEP_DOWN);
+                } else {
+                    timed.factor = MIN_FACTOR;
+                }
             }
         }
         if self.in_flight.len() < MAX_TIMED {
             self.in_flight.insert(attempt, (to, now));
+            self.timed(to).in_flight += 1;
         }
     }
 
@@ -109,9 +124,12 @@ impl Service {
         let seconds = now.saturating_sub(at).as_secs_f64();
         let typical = self.typical();
         let timed = self.timed(from);
+        timed.in_flight = timed.in_flight.saturating_sub(1);
         timed.seconds = if timed.seconds > 0.0 {
             (1.0 - AVERAGE_WEIGHT) * timed.seconds + AVERAGE_WEIGHT * seconds
         } else {
+            // Its first answer: whatever it lost before, it works.
+            timed.factor = 1.0;
             seconds
         };
         // Its average, not this one answer, against the typical one: single answers vary with
@@ -127,6 +145,7 @@ impl Service {
             .map_or(Observed::UNTIMED, |t| Observed {
                 factor: t.factor,
                 timed: t.seconds > 0.0,
+                probing: t.seconds == 0.0 && t.in_flight > 0,
             })
     }
 
@@ -140,6 +159,7 @@ impl Service {
         self.replicas.entry(peer).or_insert(Timed {
             seconds: 0.0,
             factor: 1.0,
+            in_flight: 0,
         })
     }
 
@@ -202,10 +222,18 @@ mod tests {
         s.answered(1, PeerKey(2), ms(10));
         assert_eq!(s.observed(PeerKey(2)).factor, 1.0);
         assert!(s.in_flight.contains_key(&1));
-        // Never answered: late once its lifetime has passed.
+        // Never answered: late once its lifetime has passed; having never answered anything,
+        // it keeps the least weight until it does.
         s.sent(2, PeerKey(3), ms(20_000), life);
-        assert_eq!(s.observed(PeerKey(1)).factor, STEP_DOWN);
+        assert_eq!(s.observed(PeerKey(1)).factor, MIN_FACTOR);
         assert!(!s.in_flight.contains_key(&1));
+        s.sent(3, PeerKey(1), ms(20_000), life);
+        s.answered(3, PeerKey(1), ms(20_100));
+        assert_eq!(s.observed(PeerKey(1)).factor, 1.0);
+        // One that answered before only loses a step.
+        s.sent(4, PeerKey(1), ms(20_200), life);
+        s.sent(5, PeerKey(3), ms(40_000), life);
+        assert_eq!(s.observed(PeerKey(1)).factor, STEP_DOWN);
         s.forget(PeerKey(3));
         assert!(s.in_flight.is_empty());
         assert_eq!(s.observed(PeerKey(3)).factor, 1.0);

@@ -75,12 +75,18 @@ impl Peer {
             return;
         }
         let own = self.out.jobs.throughput();
-        let placements = self.measured_placements(own);
+        let mut placements = self.measured_placements(own);
         let c = &self.config;
         let window = self
             .driver
             .window(&placements, &self.costs, &self.timing, own, c.microbatch);
         let weighted = self.allreduce() && self.routing == Routing::Weighted;
+        // The step is dealt out over the drivers whose work this one checked: an identity
+        // that announces a driver's throughput and never drives would keep its part unfilled.
+        {
+            let vouched = self.members.vouched(0);
+            placements.retain(|p| p.stage != 0 || p.peer == self.me || vouched(p.peer));
+        }
         let share = driver::share(
             &placements,
             self.me,
@@ -231,6 +237,7 @@ impl Peer {
             );
             if let Some((sample, rows)) = accepted {
                 self.service.answered(id, from, now);
+                self.members.set_checked(from, true, true);
                 self.server.gradient_norms.record(size);
                 self.server.expect_commit(id, sample, rows, None);
                 self.out.compute(Job::Backward {
@@ -250,6 +257,7 @@ impl Peer {
             .on_backward(&mut self.out, from, b, grad, &at, now)
         {
             self.service.answered(id, from, now);
+            self.members.set_checked(from, true, true);
         }
     }
 
