@@ -321,9 +321,8 @@ impl Bans {
     /// Bans `accused` if more than half of its stage accuses it, as `members` and this peer
     /// (`me`, serving `my_stage`) see it; returns the ban when it is new. A peer that serves
     /// counts only the replicas that sent it work (its stage-mates by their shares and parts,
-    /// the replicas of another stage by the microbatches they answered it: `served`), and
-    /// takes accusations only from those whose work it checked ([`Bans::verified`]). Where no
-    /// replica sent it work it does not judge: an announced replica costs nothing, and a
+    /// good or bad, the replicas of another stage by the microbatches they answered it:
+    /// `served`). Where no replica sent it work it does not judge: an announced replica costs nothing, and a
     /// swarm of identities that only announce themselves would otherwise decide. A peer that
     /// serves nothing yet (choosing or downloading a stage) has checked nobody and counts the
     /// announced replicas, so that it takes up the bans of the stage it joins.
@@ -340,11 +339,10 @@ impl Bans {
         }
         let stage = members.get(accused)?.announcement.stage?;
         let mut replicas = members.replicas(stage);
-        // Serving, it counts the replicas that sent it work, good or bad (an attacker it has
-        // judged still counts, so that its own shrinking view does not make a smaller stage of
-        // a colluding minority), and takes accusations only from those it checked.
-        let serving = my_stage.is_some();
-        if serving {
+        // Serving, it counts the replicas that sent it work, good or bad: every replica of the
+        // stage sees the same, so replicas ban together (a ban in the middle of a round drops
+        // the banned owner's part, and replicas that ban at different rounds diverge).
+        if my_stage.is_some() {
             replicas.retain(|&r| r != accused && (self.worked(r) || served(r)));
             if replicas.is_empty() {
                 return None;
@@ -369,8 +367,7 @@ impl Bans {
                         .map(|a| a.why)
                 })
             };
-            let heard = r == me || !serving || self.verified(r) || served(r);
-            if let Some(why) = why.filter(|_| r != accused && heard) {
+            if let Some(why) = why.filter(|_| r != accused) {
                 *votes.entry(why).or_default() += 1;
             }
         }
