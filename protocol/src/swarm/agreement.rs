@@ -8,8 +8,8 @@
 
 use super::PeerKey;
 use super::interface::Event;
-use super::membership::Membership;
-use super::message::{Announcement, MemberState, Message};
+use super::membership::{Member, Membership};
+use super::message::{MemberState, Message};
 use super::norms;
 use super::outbox::Outbox;
 use super::server::decode;
@@ -210,8 +210,8 @@ impl CatchUp {
     }
 }
 
-/// The parameter hash more than half of the serving replicas of `stage` announce for
-/// `round`, if there is one. Only the replicas whose work this peer checked vote (see
+/// The parameter hash more than half of the serving replicas of `stage` announced for
+/// `round` (their latest rounds are kept, see [`Member::hash_at`]), if there is one. Only the replicas whose work this peer checked vote (see
 /// [`super::bans::Bans::verified`]), unless it checked none of them: a peer that joins the
 /// stage has seen no work yet and can only count announcements.
 pub(super) fn majority_hash(
@@ -220,17 +220,17 @@ pub(super) fn majority_hash(
     round: u64,
     verified: impl Fn(PeerKey) -> bool,
 ) -> Option<u64> {
-    let serving: Vec<(PeerKey, &Announcement)> = members
+    let serving: Vec<(PeerKey, &Member)> = members
         .iter()
-        .map(|(k, m)| (*k, &m.announcement))
-        .filter(|(_, a)| a.state == MemberState::Serving && a.stage == Some(stage))
+        .filter(|(_, m)| m.serves(stage))
+        .map(|(k, m)| (*k, m))
         .collect();
     let checked = serving.iter().any(|(k, _)| verified(*k));
     let mut voters = 0;
     let mut votes: Vec<(u64, usize)> = Vec::new();
-    for (_, a) in serving.iter().filter(|(k, _)| !checked || verified(*k)) {
+    for (_, m) in serving.iter().filter(|(k, _)| !checked || verified(*k)) {
         voters += 1;
-        if let Some(h) = a.params_hash.filter(|_| a.round == round) {
+        if let Some(h) = m.hash_at(round) {
             match votes.iter_mut().find(|(v, _)| *v == h) {
                 Some((_, n)) => *n += 1,
                 None => votes.push((h, 1)),
@@ -285,6 +285,7 @@ mod tests {
     use super::*;
     use crate::swarm::fixtures::{self, at_round};
     use crate::swarm::interface::Action;
+    use crate::swarm::message::Announcement;
 
     const MS: Duration = Duration::from_millis(1);
     const ME: PeerKey = PeerKey(5);
@@ -450,5 +451,40 @@ mod tests {
         assert_eq!(majority_hash(&m, 1, 0, checked), Some(7));
         assert_eq!(majority_hash(&m, 1, 0, |_| false), Some(3));
         assert_eq!(majority_hash(&m, 1, 0, |k| k.0 == 8), Some(7));
+    }
+
+    /// Replicas announce every round, and a state often arrives after its stage has moved
+    /// on: it is checked against what the replicas announced for its round, as long as that
+    /// is among the rounds kept. A restart (an older round, or a new incarnation) starts the
+    /// record afresh.
+    #[test]
+    fn the_majority_of_a_round_the_stage_has_left_behind_is_remembered() {
+        let announce = |m: &mut Membership, k: u64, round: u64, incarnation: u64, h: u64| {
+            let a = Announcement {
+                seq: round,
+                incarnation,
+                ..at_round(1, round, Some(h * 1000 + round))
+            };
+            m.update(PeerKey(k), a, Duration::ZERO);
+        };
+        let mut m = Membership::default();
+        for round in 0..40 {
+            for (k, h) in [(8, 7), (6, 7), (4, 3)] {
+                announce(&mut m, k, round, 1, h);
+            }
+        }
+        assert_eq!(majority_hash(&m, 1, 39, ALL), Some(7039));
+        assert_eq!(majority_hash(&m, 1, 30, ALL), Some(7030));
+        assert_eq!(majority_hash(&m, 1, 5, ALL), None, "no longer kept");
+        // Replica 6 restarts from an older checkpoint: what it said before no longer counts.
+        announce(&mut m, 6, 20, 2, 7);
+        assert_eq!(majority_hash(&m, 1, 30, ALL), None);
+        assert_eq!(majority_hash(&m, 1, 20, ALL), Some(7020));
+        // Replica 8's later announcement of the same round (it re-synced) replaces its claim.
+        let mut a = at_round(1, 39, Some(3039));
+        a.seq = 40;
+        a.incarnation = 1;
+        m.update(PeerKey(8), a, Duration::ZERO);
+        assert_eq!(m.get(PeerKey(8)).and_then(|x| x.hash_at(39)), Some(3039));
     }
 }

@@ -5,7 +5,7 @@
 use super::message::{Announcement, MemberState};
 use super::service::Observed;
 use super::{PeerKey, SeededRng};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 /// What is known of one other peer.
@@ -22,9 +22,59 @@ pub struct Member {
     pub checked: bool,
     /// Whether it sent this peer work at all, good or bad (see [`Membership::set_checked`]).
     pub worked: bool,
+    /// The parameter hashes it announced for its latest rounds (this incarnation's), oldest
+    /// first: a replica announces every round, and a state that took a while to arrive is
+    /// checked against what the stage announced for the state's round, which its replicas
+    /// have left behind by then.
+    hashes: VecDeque<(u64, u64)>,
 }
 
+/// Rounds of announced parameter hashes kept per member (a few seconds of rounds on a fast
+/// stage; 16 bytes each).
+const HASHES_KEPT: usize = 32;
+
 impl Member {
+    fn new(announcement: Announcement, now: Duration, relayed_by: Option<PeerKey>) -> Self {
+        let mut m = Member {
+            announcement: announcement.clone(),
+            last_seen: now,
+            relayed_by,
+            checked: false,
+            worked: false,
+            hashes: VecDeque::new(),
+        };
+        m.remember_hash(&announcement);
+        m
+    }
+
+    fn remember_hash(&mut self, a: &Announcement) {
+        let Some(hash) = a.params_hash else { return };
+        if let Some(last) = self.hashes.back_mut()
+            && last.0 >= a.round
+        {
+            // Its parameters at one round are one claim: a later announcement of the same
+            // round (a re-sync) replaces it; an older round after a newer one is a restart.
+            if last.0 == a.round {
+                last.1 = hash;
+                return;
+            }
+            self.hashes.clear();
+        }
+        if self.hashes.len() == HASHES_KEPT {
+            self.hashes.pop_front();
+        }
+        self.hashes.push_back((a.round, hash));
+    }
+
+    /// The parameter hash it announced for `round`, if it is among those kept.
+    pub fn hash_at(&self, round: u64) -> Option<u64> {
+        self.hashes
+            .iter()
+            .rev()
+            .find(|(r, _)| *r == round)
+            .map(|(_, h)| *h)
+    }
+
     /// Whether it serves `stage` now.
     pub fn serves(&self, stage: u32) -> bool {
         self.announcement.state == MemberState::Serving && self.announcement.stage == Some(stage)
@@ -99,6 +149,10 @@ impl Membership {
             }
         }
         if let Some(m) = self.members.get_mut(&peer) {
+            if m.announcement.incarnation != announcement.incarnation {
+                m.hashes.clear();
+            }
+            m.remember_hash(&announcement);
             m.announcement = announcement;
             m.last_seen = now;
             if relay.is_none() {
@@ -109,16 +163,8 @@ impl Membership {
         if !self.room_for(relay) {
             return false;
         }
-        self.members.insert(
-            peer,
-            Member {
-                announcement,
-                last_seen: now,
-                relayed_by: relay,
-                checked: false,
-                worked: false,
-            },
-        );
+        self.members
+            .insert(peer, Member::new(announcement, now, relay));
         true
     }
 

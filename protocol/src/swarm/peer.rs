@@ -713,19 +713,22 @@ impl Peer {
     }
 
     /// Starts downloading `stage`'s state from one of its replicas picked at random (other
-    /// than `avoid`, whose state was refused, if there is another), or builds it fresh if it
-    /// has none.
+    /// than `avoid`, whose state was refused, and those asked so lately that they would not
+    /// answer, where there are others), or builds it fresh if it has none.
     fn sync_from_someone(&mut self, stage: u32, avoid: Option<PeerKey>, now: Duration) {
         let mut replicas = self.members.vouched_replicas(stage);
         if replicas.len() > 1 {
             replicas.retain(|k| Some(*k) != avoid);
         }
+        if replicas.iter().any(|k| !self.role.asked_lately(*k, now)) {
+            replicas.retain(|k| !self.role.asked_lately(*k, now));
+        }
         let source = (!replicas.is_empty())
             .then(|| replicas[(self.rng.next_u64() % replicas.len() as u64) as usize]);
         self.abandon_stage_work();
         let max_bytes = self.costs.max_state_bytes(stage as usize);
-        let deadline = now + self.timing.transfer_timeout;
-        self.role.sync(stage, source, max_bytes, deadline);
+        let timeout = self.timing.transfer_timeout;
+        self.role.sync(stage, source, max_bytes, now, timeout);
         match source {
             Some(source) => self.out.send(source, Message::StateRequest { stage }),
             None => {
@@ -744,19 +747,16 @@ impl Peer {
             from: r.from,
             reason: r.reason,
         });
-        if r.elsewhere || self.bans.is_banned(r.from) {
-            // It did not answer, or lied: another replica's state.
+        if r.elsewhere || self.bans.is_banned(r.from) || self.role.asked_lately(r.from, now) {
+            // It did not answer, or lied, or would not serve this peer again yet: another
+            // replica's state.
             self.sync_from_someone(stage, Some(r.from), now);
             return;
         }
         self.abandon_stage_work();
         let max_bytes = self.costs.max_state_bytes(stage as usize);
-        self.role.sync(
-            stage,
-            Some(r.from),
-            max_bytes,
-            now + self.timing.transfer_timeout,
-        );
+        let timeout = self.timing.transfer_timeout;
+        self.role.sync(stage, Some(r.from), max_bytes, now, timeout);
         self.out.send(r.from, Message::StateRequest { stage });
     }
 
@@ -806,10 +806,10 @@ impl Peer {
         // In DiLoCo transferred parameters are mid-round (the source's local ones); only
         // hashes taken right after a round are comparable between replicas.
         let hash = self.allreduce().then_some(hash);
-        // A state is checked against the parameters more than half of its stage announce at
-        // its round, not taken on its sender's word: a state that differs is dropped and
-        // another replica asked. (When the stage has moved on, the hash vote after the next
-        // round does the same.)
+        // A state is checked against the parameters more than half of its stage announced
+        // for its round, not taken on its sender's word: a state that differs is dropped and
+        // another replica asked. (When its round is no longer among those kept, or not yet
+        // announced, the hash vote after the next round does the same.)
         if let (Some(mine), Some(source)) = (hash, source)
             && agreement::majority_hash(&self.members, stage, self.steps.round(), |k| {
                 self.members.is_checked(k)

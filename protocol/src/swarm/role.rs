@@ -12,6 +12,7 @@ use super::membership::{Membership, Move, Placement, choose_stage, fits, plan_mo
 use super::message::{MemberState, StateChunk};
 use super::transfer::{Download, Downloaded, TransferError};
 use super::{PeerKey, SeededRng};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// What the peer is doing.
@@ -52,6 +53,10 @@ pub(super) struct Role {
     /// The stage to take first, if the operator chose one.
     first_choice: Option<u32>,
     download: Option<Download>,
+    /// Replicas asked for a state lately, until when they will not serve this peer again (a
+    /// replica exports to each requester once per transfer timeout; a second request sooner
+    /// is ignored, and the download would wait for its deadline).
+    asked: BTreeMap<PeerKey, Duration>,
     /// When to consider rebalancing next.
     next_rebalance: Duration,
     /// When to make the move planned after a back-off.
@@ -72,6 +77,7 @@ impl Role {
             stage: None,
             first_choice: None,
             download: None,
+            asked: BTreeMap::new(),
             next_rebalance: now + timing.rebalance_every,
             move_at: None,
             state_transfers: 0,
@@ -141,17 +147,29 @@ impl Role {
     }
 
     /// Starts getting `stage`'s state: from `source` (a download of at most `max_bytes`), or
-    /// fresh from the run's seed; either must be done by `deadline`.
+    /// fresh from the run's seed; either must be done within `timeout`, which is also when
+    /// `source` serves this peer again.
     pub fn sync(
         &mut self,
         stage: u32,
         source: Option<PeerKey>,
         max_bytes: usize,
-        deadline: Duration,
+        now: Duration,
+        timeout: Duration,
     ) {
+        let deadline = now + timeout;
+        self.asked.retain(|_, until| now < *until);
+        if let Some(source) = source {
+            self.asked.insert(source, deadline);
+        }
         self.stage = Some(stage);
         self.phase = Phase::Syncing { source, deadline };
         self.download = source.map(|_| Download::new(stage, max_bytes));
+    }
+
+    /// Whether `peer` was asked for a state so lately that it would not answer again now.
+    pub fn asked_lately(&self, peer: PeerKey, now: Duration) -> bool {
+        self.asked.get(&peer).is_some_and(|until| now < *until)
     }
 
     /// A peer is gone: if it was the source of the download, try another one now.
@@ -452,12 +470,45 @@ mod tests {
         assert_eq!(measured[1].throughput, 0.0);
     }
 
+    /// A replica serves each requester once per transfer timeout: the peer knows whom it
+    /// asked lately (a re-sync soon after a download goes to another replica, not to one
+    /// that would ignore it until the download's deadline).
+    #[test]
+    fn a_replica_asked_for_a_state_is_known_not_to_answer_again_until_the_timeout() {
+        let t = timing();
+        let mut r = Role::joining(&t, Duration::ZERO);
+        r.sync(
+            1,
+            Some(PeerKey(9)),
+            1 << 20,
+            Duration::ZERO,
+            t.transfer_timeout,
+        );
+        assert!(r.asked_lately(PeerKey(9), t.transfer_timeout - MS));
+        assert!(!r.asked_lately(PeerKey(8), MS));
+        assert!(!r.asked_lately(PeerKey(9), t.transfer_timeout));
+        r.sync(
+            1,
+            Some(PeerKey(8)),
+            1 << 20,
+            t.transfer_timeout,
+            t.transfer_timeout,
+        );
+        assert_eq!(r.asked.len(), 1, "requests past their window are forgotten");
+    }
+
     #[test]
     fn a_download_is_heard_from_its_source_only_and_then_served() {
         let t = timing();
         let mut r = Role::joining(&t, Duration::ZERO);
         assert_eq!(r.next_timeout(), Some(100 * MS));
-        r.sync(1, Some(PeerKey(9)), 1 << 20, t.transfer_timeout);
+        r.sync(
+            1,
+            Some(PeerKey(9)),
+            1 << 20,
+            Duration::ZERO,
+            t.transfer_timeout,
+        );
         assert_eq!(r.announced(), (Some(1), MemberState::Syncing));
         let state = vec![7u8; 100];
         let chunk = chunks(1, 4, 4, &state).remove(0);
@@ -474,7 +525,13 @@ mod tests {
         assert_eq!(r.serving(), Some(1));
         assert_eq!(r.state_transfers, 1);
         // A chunk of the wrong stage fails the transfer.
-        r.sync(0, Some(PeerKey(9)), 1 << 20, t.transfer_timeout);
+        r.sync(
+            0,
+            Some(PeerKey(9)),
+            1 << 20,
+            Duration::ZERO,
+            t.transfer_timeout,
+        );
         let wrong = chunks(1, 4, 4, &state).remove(0);
         assert!(matches!(
             r.on_chunk(PeerKey(9), wrong, &t, MS),
