@@ -9,7 +9,7 @@
 use super::PeerKey;
 use super::interface::Event;
 use super::membership::{Member, Membership};
-use super::message::{MemberState, Message};
+use super::message::Message;
 use super::norms;
 use super::outbox::Outbox;
 use super::server::decode;
@@ -211,9 +211,10 @@ impl CatchUp {
 }
 
 /// The parameter hash more than half of the serving replicas of `stage` announced for
-/// `round` (their latest rounds are kept, see [`Member::hash_at`]), if there is one. Only the replicas whose work this peer checked vote (see
-/// [`super::bans::Bans::verified`]), unless it checked none of them: a peer that joins the
-/// stage has seen no work yet and can only count announcements.
+/// `round` (their latest rounds are kept, see [`Member::hash_at`]), if there is one. Only
+/// the replicas whose work this peer checked vote (see [`super::bans::Bans::verified`]),
+/// unless it checked none of them: a peer that joins the stage has seen no work yet and can
+/// only count announcements.
 pub(super) fn majority_hash(
     members: &Membership,
     stage: u32,
@@ -265,10 +266,10 @@ pub(super) fn outvoted(
 ) -> bool {
     let (mut for_theirs, mut for_mine, mut to_come) = (0, 1, 0);
     for (k, m) in members.iter() {
-        let a = &m.announcement;
-        if a.state != MemberState::Serving || a.stage != Some(stage) || !verified(*k) {
+        if !m.serves(stage) || !verified(*k) {
             continue;
         }
+        let a = &m.announcement;
         if a.round != round || a.params_hash.is_none() {
             to_come += 1;
         } else if a.params_hash == Some(theirs) {

@@ -35,35 +35,42 @@ const HASHES_KEPT: usize = 32;
 
 impl Member {
     fn new(announcement: Announcement, now: Duration, relayed_by: Option<PeerKey>) -> Self {
-        let mut m = Member {
-            announcement: announcement.clone(),
+        let hashes = announcement
+            .params_hash
+            .map(|h| (announcement.round, h))
+            .into_iter()
+            .collect();
+        Member {
+            announcement,
             last_seen: now,
             relayed_by,
             checked: false,
             worked: false,
-            hashes: VecDeque::new(),
-        };
-        m.remember_hash(&announcement);
-        m
+            hashes,
+        }
     }
 
+    /// Takes the hash of its announcement `a` (newer than the one held) into its record.
     fn remember_hash(&mut self, a: &Announcement) {
-        let Some(hash) = a.params_hash else { return };
-        if let Some(last) = self.hashes.back_mut()
-            && last.0 >= a.round
+        // A restart (a new incarnation, or an older round after a newer one) starts the
+        // record afresh: what it said before is about parameters it no longer holds.
+        if a.incarnation != self.announcement.incarnation
+            || self.hashes.back().is_some_and(|(r, _)| *r > a.round)
         {
-            // Its parameters at one round are one claim: a later announcement of the same
-            // round (a re-sync) replaces it; an older round after a newer one is a restart.
-            if last.0 == a.round {
-                last.1 = hash;
-                return;
-            }
             self.hashes.clear();
         }
-        if self.hashes.len() == HASHES_KEPT {
-            self.hashes.pop_front();
+        let Some(hash) = a.params_hash else { return };
+        match self.hashes.back_mut() {
+            // Its parameters at one round are one claim: a later announcement of the same
+            // round (after a re-sync) replaces it.
+            Some(last) if last.0 == a.round => last.1 = hash,
+            _ => {
+                if self.hashes.len() == HASHES_KEPT {
+                    self.hashes.pop_front();
+                }
+                self.hashes.push_back((a.round, hash));
+            }
         }
-        self.hashes.push_back((a.round, hash));
     }
 
     /// The parameter hash it announced for `round`, if it is among those kept.
@@ -149,9 +156,6 @@ impl Membership {
             }
         }
         if let Some(m) = self.members.get_mut(&peer) {
-            if m.announcement.incarnation != announcement.incarnation {
-                m.hashes.clear();
-            }
             m.remember_hash(&announcement);
             m.announcement = announcement;
             m.last_seen = now;
