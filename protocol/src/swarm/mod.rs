@@ -10,8 +10,9 @@
 //! The shared pieces, each testable on its own:
 //! * [`config`]: the run's configuration, chosen by its creator; its hash is the run id.
 //! * [`message`]: what peers say to each other.
-//! * [`membership`]: who serves which stage how fast, learned from gossip; routing weights,
-//!   the stage a joiner takes, and rebalancing moves.
+//! * [`membership`]: who serves which stage how fast, learned from gossip, and each
+//!   replica's recent parameter hashes; routing weights.
+//! * [`placement`]: the stage a joiner takes, and rebalancing moves.
 //! * `service.rs` (`Service`): the next stage's replicas as this peer times them; a replica
 //!   that answers far later than its stage's typical time loses routing weight, whatever it
 //!   announces.
@@ -59,6 +60,7 @@ pub mod message;
 pub mod norms;
 mod outbox;
 pub mod peer;
+pub mod placement;
 mod progress;
 pub mod robust;
 mod role;

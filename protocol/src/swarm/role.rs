@@ -8,8 +8,9 @@
 //! best move is its own, it moves after a random back-off.
 
 use super::config::{StageCosts, Timing};
-use super::membership::{Membership, Move, Placement, choose_stage, fits, plan_move};
+use super::membership::Membership;
 use super::message::{MemberState, StateChunk};
+use super::placement::{Move, Placement, choose_stage, fits, plan_move};
 use super::transfer::{Download, Downloaded, TransferError};
 use super::{PeerKey, SeededRng};
 use std::collections::BTreeMap;
