@@ -235,15 +235,16 @@ impl Bans {
     }
 
     /// Whether `peer`, a replica of this peer's stage, did work in its rounds that this peer
-    /// checked (see [`Record::verified`]): only such replicas count in the votes of a peer
+    /// judged, with nothing to accuse it of: only such replicas count in the votes of a peer
     /// that serves, so that identities that cost nothing (sybils) cannot outvote it.
     pub fn verified(&self, peer: PeerKey) -> bool {
         !self.is_banned(peer) && self.seen.get(&peer).is_some_and(Record::verified)
     }
 
     /// Whether `peer`, a replica of this peer's stage, sent shares or parts to its rounds,
-    /// good or bad (see `Record::worked`): unlike [`Bans::verified`] every member of a round sees the same, so
-    /// replicas agree on it (who leads a round must not depend on when each judged whom).
+    /// good or bad, or delivered them in a round too small to judge: unlike
+    /// [`Bans::verified`] every member of a round sees the same, so replicas agree on it (who
+    /// leads a round must not depend on when each judged whom).
     pub fn worked(&self, peer: PeerKey) -> bool {
         !self.is_banned(peer) && self.seen.get(&peer).is_some_and(Record::worked)
     }

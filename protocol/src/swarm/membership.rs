@@ -35,7 +35,7 @@ pub struct Member {
 /// Rounds a replica that has sent no work may be left out of before it is no longer waited
 /// for (see [`Membership::workers`]). The first may be one it started serving in the middle
 /// of.
-const NEWCOMER_ROUNDS: u8 = 3;
+pub const NEWCOMER_ROUNDS: u8 = 3;
 
 /// Rounds of announced parameter hashes kept per member (a few seconds of rounds on a fast
 /// stage; 16 bytes each).
