@@ -87,14 +87,6 @@ pub(super) struct StepCoordinator {
     params_hash: Option<u64>,
     /// This stage took the run's last step.
     finished: bool,
-    /// This replica started from a state another replica had trained (downloaded or resumed
-    /// mid-run) and has not finished a round with others since: it joins the rounds the others
-    /// lead rather than leading (see [`super::rounds::Rounds::newcomer`]).
-    joined: bool,
-    /// The replicas that served the stage when this replica set out to download it: the
-    /// ones a newcomer follows (the others joined with it, or are identities that only
-    /// announce themselves).
-    elders: Vec<PeerKey>,
     /// Samples committed toward the step being collected.
     accumulated: f64,
     /// Loss times samples, and samples, of the microbatches behind `accumulated` (last stage).
@@ -138,8 +130,6 @@ impl StepCoordinator {
             round: 0,
             params_hash: None,
             finished: false,
-            joined: false,
-            elders: Vec::new(),
             accumulated: 0.0,
             losses: (0.0, 0.0),
             last_loss: None,
@@ -226,33 +216,6 @@ impl StepCoordinator {
     pub fn set_position(&mut self, step: u64, round: u64) {
         self.step = step;
         self.round = round;
-        self.joined = round > 0;
-    }
-
-    /// Who may lead this replica's rounds of `stage` and who is waited for in them; tells the
-    /// rounds whether this replica is new to its stage.
-    ///
-    /// Where no replica has worked with this one yet: at the start of the run every replica
-    /// may lead; a newcomer follows the replicas that served the stage before it (the first
-    /// of them in rank order is the leader they follow among themselves); a replica that
-    /// served alone leads, and the newcomers join it.
-    fn round_members(&mut self, stage: u32, members: &Membership) -> (Vec<PeerKey>, Vec<PeerKey>) {
-        // A replica that re-synced has worked with its stage before: it is no newcomer.
-        let newcomer = self.joined && !members.any_worked(stage);
-        self.rounds.newcomer = newcomer;
-        let mut leaders = members.leaders(stage);
-        if leaders.is_empty() && (newcomer || self.round == 0) {
-            leaders = members.replicas(stage);
-        }
-        if newcomer && leaders.iter().any(|k| self.elders.contains(k)) {
-            leaders.retain(|k| self.elders.contains(k));
-        }
-        (leaders, members.workers(stage))
-    }
-
-    /// This replica sets out to download its stage's state while `elders` serve it.
-    pub fn set_elders(&mut self, elders: Vec<PeerKey>) {
-        self.elders = elders;
     }
 
     /// The replica starts serving with parameters hashing to `hash` (None: not comparable,
@@ -439,10 +402,12 @@ impl StepCoordinator {
             index: self.round,
         };
         let len = self.params(stage);
-        let (leaders, replicas) = self.round_members(stage, members);
         if self.rounds.follow_early_invitation(key, len, now) {
             return;
         }
+        // Identities that never sent this replica work neither lead nor are waited for (one
+        // that joins anyway takes part).
+        let replicas = members.workers(stage);
         match self.settings.sync {
             SyncMode::AllReduce => {
                 let total = self.accumulated + self.progress.reported(&replicas, self.round, false);
@@ -464,7 +429,7 @@ impl StepCoordinator {
                 let starving = evidence && now.saturating_sub(since) >= join_window;
                 if total >= f64::from(self.settings.global_batch) || starving {
                     self.starve_check = None;
-                    self.rounds.begin(key, &leaders, &replicas, len, now);
+                    self.rounds.begin(key, &replicas, len, now);
                 } else if evidence {
                     self.starve_check = Some(since + join_window);
                 }
@@ -480,7 +445,7 @@ impl StepCoordinator {
                     out.compute(Job::LocalStep);
                 }
                 if self.inner_steps >= h {
-                    self.rounds.begin(key, &leaders, &replicas, len, now);
+                    self.rounds.begin(key, &replicas, len, now);
                 }
             }
         }
@@ -649,7 +614,7 @@ impl StepCoordinator {
             return;
         }
         let len = self.params(key.stage);
-        let (leaders, replicas) = self.round_members(key.stage, members);
+        let replicas = members.workers(key.stage);
         self.rounds.on_message(
             out,
             from,
@@ -657,7 +622,7 @@ impl StepCoordinator {
             msg,
             self.round,
             self.finished,
-            (leaders, replicas),
+            replicas,
             len,
             now,
         );
@@ -705,11 +670,7 @@ impl StepCoordinator {
                         });
                     }
                     self.stats.rounds += 1;
-                    if result.group.len() > 1 {
-                        self.joined = false;
-                    }
                     out.evidence.extend_from_slice(&result.evidence);
-                    out.finished_groups.push((key.stage, result.group.clone()));
                     self.round_group = result.group.len();
                     self.round_samples = result.samples;
                     self.round_loss = result.loss;
@@ -725,9 +686,6 @@ impl StepCoordinator {
                         round: key.index,
                         reason,
                     });
-                    // The leader a newcomer followed did not take it in: from now on it
-                    // chooses as the others do (its elders may have left or lie).
-                    self.joined = false;
                     self.rounds.fail();
                     self.retry_at = Some(retry);
                     return;

@@ -360,9 +360,6 @@ impl Peer {
                     .set_checked(peer, checked, self.bans.worked(peer) || served);
             }
         }
-        for (stage, group) in std::mem::take(&mut self.out.finished_groups) {
-            self.members.round_finished(stage, &group);
-        }
         self.pump(now);
         if let Some(job) = self.out.jobs.next(now) {
             self.out.push(Action::Compute(job));
@@ -730,7 +727,6 @@ impl Peer {
         let source = (!replicas.is_empty())
             .then(|| replicas[(self.rng.next_u64() % replicas.len() as u64) as usize]);
         self.abandon_stage_work();
-        self.steps.set_elders(self.members.replicas(stage));
         let max_bytes = self.costs.max_state_bytes(stage as usize);
         let timeout = self.timing.transfer_timeout;
         self.role.sync(stage, source, max_bytes, now, timeout);
@@ -759,7 +755,6 @@ impl Peer {
             return;
         }
         self.abandon_stage_work();
-        self.steps.set_elders(self.members.replicas(stage));
         let max_bytes = self.costs.max_state_bytes(stage as usize);
         let timeout = self.timing.transfer_timeout;
         self.role.sync(stage, Some(r.from), max_bytes, now, timeout);
