@@ -672,9 +672,13 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
         Event::Stepped {
             step,
             loss,
+            group,
             samples,
-            ..
+            hash,
         } => {
+            tracing::debug!(
+                "step {step}: {group} replica(s) averaged {samples} sample(s), parameters {hash:016x}"
+            );
             tally.step_samples.push(samples);
             if let Some(l) = loss {
                 tally.loss_curve.push((step, l as f64));

@@ -171,14 +171,20 @@ impl Record {
     }
 
     /// Whether it sent work this peer judged: a share it reduced or a part it received.
-    fn worked(&self) -> bool {
+    fn judged(&self) -> bool {
         !self.shares.is_empty() || !self.parts.is_empty()
     }
 
-    /// Whether it did work this peer checked: it worked, with nothing to accuse it of. An
+    /// Whether it sent work at all: judged, or delivered in a round too small to judge (a
+    /// share is scored against at least two others).
+    fn worked(&self) -> bool {
+        self.judged() || self.delivered.iter().any(|d| *d)
+    }
+
+    /// Whether it did work this peer checked: judged, with nothing to accuse it of. An
     /// identity that only announces itself never is.
     fn verified(&self) -> bool {
-        self.worked() && self.verdict().is_none()
+        self.judged() && self.verdict().is_none()
     }
 }
 
@@ -236,8 +242,9 @@ impl Bans {
     }
 
     /// Whether `peer`, a replica of this peer's stage, sent shares or parts to its rounds,
-    /// good or bad: unlike [`Bans::verified`] every member of a round sees the same, so
-    /// replicas agree on it (who leads a round must not depend on when each judged whom).
+    /// good or bad, or delivered them in a round too small to judge: unlike
+    /// [`Bans::verified`] every member of a round sees the same, so replicas agree on it (who
+    /// leads a round must not depend on when each judged whom).
     pub fn worked(&self, peer: PeerKey) -> bool {
         !self.is_banned(peer) && self.seen.get(&peer).is_some_and(Record::worked)
     }

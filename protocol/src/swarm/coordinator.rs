@@ -87,6 +87,14 @@ pub(super) struct StepCoordinator {
     params_hash: Option<u64>,
     /// This stage took the run's last step.
     finished: bool,
+    /// This replica downloaded its state from another replica and has not finished a round
+    /// with others since: while its elders serve, it joins the rounds they lead rather than
+    /// leading (see [`StepCoordinator::newcomer`]).
+    joined: bool,
+    /// The replicas that served the stage when this replica set out to download it: the
+    /// ones a newcomer follows (the others joined with it, or are identities that only
+    /// announce themselves).
+    elders: Vec<PeerKey>,
     /// Samples committed toward the step being collected.
     accumulated: f64,
     /// Loss times samples, and samples, of the microbatches behind `accumulated` (last stage).
@@ -130,6 +138,8 @@ impl StepCoordinator {
             round: 0,
             params_hash: None,
             finished: false,
+            joined: false,
+            elders: Vec::new(),
             accumulated: 0.0,
             losses: (0.0, 0.0),
             last_loss: None,
@@ -213,9 +223,51 @@ impl StepCoordinator {
     }
 
     /// The stage state to serve: `step` and `round` from a transfer or a checkpoint.
-    pub fn set_position(&mut self, step: u64, round: u64) {
+    /// `joined`: the state was downloaded from another replica.
+    pub fn set_position(&mut self, step: u64, round: u64, joined: bool) {
         self.step = step;
         self.round = round;
+        self.joined = joined;
+    }
+
+    /// Who may lead this replica's rounds of `stage` and who is waited for in them; tells the
+    /// rounds whether this replica is new to its stage.
+    ///
+    /// Where no replica has worked with this one yet, the replicas that do not announce
+    /// themselves newcomers may lead (every replica at the start of the run; a replica that
+    /// served alone, whom the newcomers join); a newcomer follows the first in rank order of
+    /// the replicas that served the stage when it set out to download it, the leader those
+    /// follow among themselves.
+    fn round_members(&mut self, stage: u32, members: &Membership) -> (Vec<PeerKey>, Vec<PeerKey>) {
+        let newcomer = self.newcomer(Some(stage), members);
+        self.rounds.newcomer = newcomer;
+        let mut leaders = members.leaders(stage);
+        if leaders.is_empty() {
+            leaders = members.settled(stage);
+        }
+        if newcomer && leaders.iter().any(|k| self.elders.contains(k)) {
+            leaders.retain(|k| self.elders.contains(k));
+        }
+        (leaders, members.workers(stage))
+    }
+
+    /// Whether this replica of `stage` is new to it: it took its state from another replica
+    /// and has not finished a round with others since (a replica that re-synced has worked
+    /// with its stage before). One whose elders are all gone is one like the others, or
+    /// newcomers alone would wait for each other to lead.
+    pub fn newcomer(&self, stage: Option<u32>, members: &Membership) -> bool {
+        let Some(stage) = stage else { return false };
+        self.joined
+            && !members.any_worked(stage)
+            && members
+                .replicas(stage)
+                .iter()
+                .any(|k| self.elders.contains(k))
+    }
+
+    /// This replica sets out to download its stage's state while `elders` serve it.
+    pub fn set_elders(&mut self, elders: Vec<PeerKey>) {
+        self.elders = elders;
     }
 
     /// The replica starts serving with parameters hashing to `hash` (None: not comparable,
@@ -402,12 +454,10 @@ impl StepCoordinator {
             index: self.round,
         };
         let len = self.params(stage);
-        if self.rounds.follow_early_invitation(key, len, now) {
+        let (leaders, replicas) = self.round_members(stage, members);
+        if self.rounds.follow_early_invitation(key, &leaders, len, now) {
             return;
         }
-        // Identities that never sent this replica work neither lead nor are waited for (one
-        // that joins anyway takes part).
-        let replicas = members.workers(stage);
         match self.settings.sync {
             SyncMode::AllReduce => {
                 let total = self.accumulated + self.progress.reported(&replicas, self.round, false);
@@ -429,7 +479,7 @@ impl StepCoordinator {
                 let starving = evidence && now.saturating_sub(since) >= join_window;
                 if total >= f64::from(self.settings.global_batch) || starving {
                     self.starve_check = None;
-                    self.rounds.begin(key, &replicas, len, now);
+                    self.rounds.begin(key, &leaders, &replicas, len, now);
                 } else if evidence {
                     self.starve_check = Some(since + join_window);
                 }
@@ -445,7 +495,7 @@ impl StepCoordinator {
                     out.compute(Job::LocalStep);
                 }
                 if self.inner_steps >= h {
-                    self.rounds.begin(key, &replicas, len, now);
+                    self.rounds.begin(key, &leaders, &replicas, len, now);
                 }
             }
         }
@@ -614,7 +664,7 @@ impl StepCoordinator {
             return;
         }
         let len = self.params(key.stage);
-        let replicas = members.workers(key.stage);
+        let (leaders, replicas) = self.round_members(key.stage, members);
         self.rounds.on_message(
             out,
             from,
@@ -622,7 +672,7 @@ impl StepCoordinator {
             msg,
             self.round,
             self.finished,
-            replicas,
+            (leaders, replicas),
             len,
             now,
         );
@@ -670,7 +720,11 @@ impl StepCoordinator {
                         });
                     }
                     self.stats.rounds += 1;
+                    if result.group.len() > 1 {
+                        self.joined = false;
+                    }
                     out.evidence.extend_from_slice(&result.evidence);
+                    out.finished_groups.push((key.stage, result.group.clone()));
                     self.round_group = result.group.len();
                     self.round_samples = result.samples;
                     self.round_loss = result.loss;

@@ -20,6 +20,7 @@ pub fn serving(stage: u32) -> Announcement {
         round: 0,
         params_hash: None,
         finished: false,
+        newcomer: false,
         loss: None,
         memory: 0,
         incarnation: 1,

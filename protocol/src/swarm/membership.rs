@@ -22,12 +22,20 @@ pub struct Member {
     pub checked: bool,
     /// Whether it sent this peer work at all, good or bad (see [`Membership::set_checked`]).
     pub worked: bool,
+    /// Rounds of this peer's stage that finished without it while it served the stage and
+    /// had sent no work (see [`Membership::workers`]).
+    left_out: u8,
     /// The parameter hashes it announced for its latest rounds (this incarnation's), oldest
     /// first: a replica announces every round, and a state that took a while to arrive is
     /// checked against what the stage announced for the state's round, which its replicas
     /// have left behind by then.
     hashes: VecDeque<(u64, u64)>,
 }
+
+/// Rounds a replica that has sent no work may be left out of before it is no longer waited
+/// for (see [`Membership::workers`]). The first may be one it started serving in the middle
+/// of.
+pub const NEWCOMER_ROUNDS: u8 = 3;
 
 /// Rounds of announced parameter hashes kept per member (a few seconds of rounds on a fast
 /// stage; 16 bytes each).
@@ -46,6 +54,7 @@ impl Member {
             relayed_by,
             checked: false,
             worked: false,
+            left_out: 0,
             hashes,
         }
     }
@@ -157,6 +166,12 @@ impl Membership {
         }
         if let Some(m) = self.members.get_mut(&peer) {
             m.remember_hash(&announcement);
+            // A replica new to its stage is new again: it had no chance to work there.
+            if announcement.stage != m.announcement.stage
+                || announcement.incarnation != m.announcement.incarnation
+            {
+                m.left_out = 0;
+            }
             m.announcement = announcement;
             m.last_seen = now;
             if relay.is_none() {
@@ -237,17 +252,64 @@ impl Membership {
         }
     }
 
-    /// The replicas of `stage` that sent this peer work, good or bad, or all of them where
-    /// none did: an identity that only announces itself neither leads a round nor is waited
-    /// for (one that joins a round anyway takes part in it).
+    /// The replicas of `stage` that sent this peer work, good or bad: those that may lead its
+    /// rounds (where none did, see `StepCoordinator::round_members`). An identity that only
+    /// announces itself never leads.
+    pub fn leaders(&self, stage: u32) -> Vec<PeerKey> {
+        self.replicas(stage)
+            .into_iter()
+            .filter(|k| self.members.get(k).is_some_and(|m| m.worked))
+            .collect()
+    }
+
+    /// The replicas of `stage` that do not announce themselves new to it: those that may lead
+    /// where none has worked with this peer yet.
+    pub fn settled(&self, stage: u32) -> Vec<PeerKey> {
+        self.replicas(stage)
+            .into_iter()
+            .filter(|k| {
+                self.members
+                    .get(k)
+                    .is_some_and(|m| !m.announcement.newcomer)
+            })
+            .collect()
+    }
+
+    /// Whether some replica of `stage` sent this peer work.
+    pub fn any_worked(&self, stage: u32) -> bool {
+        self.members.values().any(|m| m.worked && m.serves(stage))
+    }
+
+    /// The replicas of `stage` this peer's rounds invite and wait for: those that may lead
+    /// ([`Membership::leaders`]) and those new to it, left out of fewer than
+    /// [`NEWCOMER_ROUNDS`] of its rounds. A joiner must be waited for from the start: the
+    /// replicas already there start their round as soon as every replica they wait for has
+    /// joined, before a joiner's join could arrive, and the joiners, left out, would make a
+    /// group of their own that averages apart for good. An identity that only announces
+    /// itself costs a few rounds a join window each, once.
     pub fn workers(&self, stage: u32) -> Vec<PeerKey> {
+        self.replicas_where(stage, |m| m.worked || m.left_out < NEWCOMER_ROUNDS)
+    }
+
+    /// The replicas of `stage` that `keep` keeps, or all of them where it keeps none.
+    fn replicas_where(&self, stage: u32, keep: impl Fn(&Member) -> bool) -> Vec<PeerKey> {
         let replicas = self.replicas(stage);
-        let worked: Vec<PeerKey> = replicas
+        let kept: Vec<PeerKey> = replicas
             .iter()
             .copied()
-            .filter(|k| self.members.get(k).is_some_and(|m| m.worked))
+            .filter(|k| self.members.get(k).is_some_and(&keep))
             .collect();
-        if worked.is_empty() { replicas } else { worked }
+        if kept.is_empty() { replicas } else { kept }
+    }
+
+    /// A round of `stage` finished here with `group`: the replicas of the stage left out of
+    /// it that never sent work come closer to no longer counting as [`Membership::workers`].
+    pub fn round_finished(&mut self, stage: u32, group: &[PeerKey]) {
+        for (k, m) in self.members.iter_mut() {
+            if m.serves(stage) && !m.worked && !group.contains(k) {
+                m.left_out = m.left_out.saturating_add(1);
+            }
+        }
     }
 
     /// The replicas of `stage` that count for what this peer decides (see
@@ -759,6 +821,61 @@ mod tests {
         syncing.incarnation = 2;
         m.update(PeerKey(1), syncing, now);
         assert_eq!(m.replicas(1), Vec::<PeerKey>::new());
+    }
+
+    /// Replicas that worked lead and are waited for; an identity that only announces itself
+    /// does too until it has been left out of [`NEWCOMER_ROUNDS`] rounds, so that a joiner
+    /// counts alike for the replicas already there and for the other joiners.
+    #[test]
+    fn a_new_replica_counts_among_the_workers_until_it_has_had_its_chance() {
+        let mut m = Membership::default();
+        let now = Duration::ZERO;
+        for k in 1..=3 {
+            m.update(PeerKey(k), announcement(0, 1.0, 0), now);
+        }
+        // None worked yet: all count.
+        assert_eq!(m.workers(0), vec![PeerKey(1), PeerKey(2), PeerKey(3)]);
+        m.set_checked(PeerKey(1), true, true);
+        m.set_checked(PeerKey(2), false, true);
+        // A joiner: new, it counts though it never worked.
+        m.update(PeerKey(4), announcement(0, 1.0, 0), now);
+        let all = vec![PeerKey(1), PeerKey(2), PeerKey(3), PeerKey(4)];
+        assert_eq!(m.workers(0), all);
+        // 4 is in the next round; 3 is left out of its third and no longer counts.
+        m.round_finished(0, &[PeerKey(1), PeerKey(2)]);
+        m.round_finished(0, &[PeerKey(1), PeerKey(2), PeerKey(4)]);
+        m.set_checked(PeerKey(4), false, true);
+        assert_eq!(m.workers(0), all);
+        m.round_finished(0, &[PeerKey(1), PeerKey(2), PeerKey(4)]);
+        assert_eq!(m.workers(0), vec![PeerKey(1), PeerKey(2), PeerKey(4)]);
+        // A move to another stage makes it new again; rounds of another stage say nothing
+        // of it.
+        m.update(PeerKey(5), announcement(1, 1.0, 0), now);
+        m.set_checked(PeerKey(5), false, true);
+        let mut moved = announcement(1, 1.0, 0);
+        moved.seq = 2;
+        m.update(PeerKey(3), moved, now);
+        assert_eq!(m.workers(1), vec![PeerKey(3), PeerKey(5)]);
+        m.round_finished(0, &[PeerKey(1)]);
+        m.round_finished(1, &[PeerKey(5)]);
+        m.round_finished(1, &[PeerKey(5)]);
+        assert_eq!(m.workers(1), vec![PeerKey(3), PeerKey(5)]);
+        m.round_finished(1, &[PeerKey(5)]);
+        assert_eq!(m.workers(1), vec![PeerKey(5)]);
+    }
+
+    /// A replica that announces itself new to its stage is no candidate leader for a peer
+    /// that has worked with nobody yet (it would not lead: see `Rounds::newcomer`).
+    #[test]
+    fn a_replica_that_announces_itself_new_is_not_settled() {
+        let mut m = Membership::default();
+        let now = Duration::ZERO;
+        m.update(PeerKey(1), announcement(0, 1.0, 0), now);
+        let mut new = announcement(0, 1.0, 0);
+        new.newcomer = true;
+        m.update(PeerKey(2), new, now);
+        assert_eq!(m.replicas(0), vec![PeerKey(1), PeerKey(2)]);
+        assert_eq!(m.settled(0), vec![PeerKey(1)]);
     }
 
     #[test]

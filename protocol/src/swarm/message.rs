@@ -59,6 +59,11 @@ pub struct Announcement {
     pub params_hash: Option<u64>,
     /// Whether it has taken the run's last step.
     pub finished: bool,
+    /// Whether it is new to its stage: it took its state from another replica and has not
+    /// finished a round with others since. A newcomer never leads a round, so a replica
+    /// that has worked with nobody yet does not wait for one to (see
+    /// `Membership::settled`).
+    pub newcomer: bool,
     /// Mean loss of its last step (last stage only).
     pub loss: Option<f32>,
     /// Bytes of device memory it can give a stage (0: not limited), so that no peer is asked

@@ -20,6 +20,9 @@ pub(super) struct Outbox {
     /// What this peer's rounds showed of the other members, not yet judged (see
     /// [`super::bans`]).
     pub evidence: Vec<super::bans::Evidence>,
+    /// The stages and groups of the rounds finished here, not yet noted in the membership
+    /// (who was left out, see [`super::membership::Membership::round_finished`]).
+    pub finished_groups: Vec<(u32, Vec<PeerKey>)>,
 }
 
 impl Outbox {
@@ -31,6 +34,7 @@ impl Outbox {
             jobs: Scheduler::default(),
             violations: 0,
             evidence: Vec::new(),
+            finished_groups: Vec::new(),
         }
     }
 

@@ -114,7 +114,7 @@ impl Peer {
         };
         if let Some(r) = resume {
             peer.role.resume(r.stage);
-            peer.steps.set_position(r.step, r.round);
+            peer.steps.set_position(r.step, r.round, false);
             peer.steps
                 .start_serving(Some(r.hash), now + timing.announce_every);
             peer.out.event(Event::Serving {
@@ -296,6 +296,7 @@ impl Peer {
             round: self.steps.round(),
             params_hash: self.steps.params_hash(),
             finished: self.steps.finished(),
+            newcomer: self.steps.newcomer(stage, &self.members),
             loss: self.steps.last_loss(),
             memory: self.memory,
             incarnation: self.incarnation,
@@ -359,6 +360,9 @@ impl Peer {
                 self.members
                     .set_checked(peer, checked, self.bans.worked(peer) || served);
             }
+        }
+        for (stage, group) in std::mem::take(&mut self.out.finished_groups) {
+            self.members.round_finished(stage, &group);
         }
         self.pump(now);
         if let Some(job) = self.out.jobs.next(now) {
@@ -727,13 +731,14 @@ impl Peer {
         let source = (!replicas.is_empty())
             .then(|| replicas[(self.rng.next_u64() % replicas.len() as u64) as usize]);
         self.abandon_stage_work();
+        self.steps.set_elders(self.members.replicas(stage));
         let max_bytes = self.costs.max_state_bytes(stage as usize);
         let timeout = self.timing.transfer_timeout;
         self.role.sync(stage, source, max_bytes, now, timeout);
         match source {
             Some(source) => self.out.send(source, Message::StateRequest { stage }),
             None => {
-                self.steps.set_position(0, 0);
+                self.steps.set_position(0, 0, false);
                 self.out.compute(Job::Init { stage });
             }
         }
@@ -755,6 +760,7 @@ impl Peer {
             return;
         }
         self.abandon_stage_work();
+        self.steps.set_elders(self.members.replicas(stage));
         let max_bytes = self.costs.max_state_bytes(stage as usize);
         let timeout = self.timing.transfer_timeout;
         self.role.sync(stage, Some(r.from), max_bytes, now, timeout);
@@ -780,7 +786,7 @@ impl Peer {
         match self.role.on_chunk(from, chunk, &self.timing, now) {
             ChunkOutcome::Pending => {}
             ChunkOutcome::Complete(done) => {
-                self.steps.set_position(done.step, done.round);
+                self.steps.set_position(done.step, done.round, true);
                 if let Some(stage) = self.role.stage() {
                     self.out.compute(Job::Import {
                         stage,

@@ -2,7 +2,9 @@
 //! started, and keeping invitations that arrive before this replica is ready.
 //!
 //! One [`Round`] runs the exchange itself; this part decides who leads (the first of the
-//! replicas a member knows in the round's rank order, [`RoundKey::rank`]), answers the messages of the round that just finished
+//! replicas that may lead, as a member knows them, in the round's rank order,
+//! [`RoundKey::rank`]; a newcomer to the stage follows rather than leads, see
+//! [`Rounds::newcomer`]), answers the messages of the round that just finished
 //! (a slower member may still ask for parts), and joins the round another replica started
 //! before this one noticed the step was complete.
 
@@ -41,6 +43,11 @@ pub(super) struct Rounds {
     pub exclude_others: bool,
     /// Banned peers: members no round waits for.
     banned: std::collections::BTreeSet<PeerKey>,
+    /// This replica is new to its stage (it started from a state the others trained and has
+    /// not finished a round with them yet): it does not lead, but joins the round of the leader
+    /// the replicas already there follow. Were it to lead, it and the other joiners, whom
+    /// those replicas do not follow, would average apart for good.
+    pub newcomer: bool,
 }
 
 impl Rounds {
@@ -58,6 +65,7 @@ impl Rounds {
             forge_parts: false,
             exclude_others: false,
             banned: std::collections::BTreeSet::new(),
+            newcomer: false,
         }
     }
 
@@ -91,11 +99,34 @@ impl Rounds {
         !self.passed_over.contains(&(key, a)) && key.rank(a) < key.rank(b)
     }
 
-    /// Starts round `key` with the replicas this one knows of (`others`), led by the first in
-    /// rank order. A leader takes in the joins that came early.
-    pub fn begin(&mut self, key: RoundKey, others: &[PeerKey], len: usize, now: Duration) {
+    /// Whether this replica follows `from`'s invitation to round `key`: one that ranks
+    /// before it; a newcomer, any of the `leaders` it may follow (it cannot tell which of
+    /// them the others follow).
+    fn may_follow(&self, key: RoundKey, from: PeerKey, leaders: &[PeerKey]) -> bool {
+        match self.newcomer {
+            true => leaders.contains(&from) && !self.passed_over.contains(&(key, from)),
+            false => self.precedes(key, from, self.me),
+        }
+    }
+
+    /// This replica, where it may lead.
+    fn me_as_leader(&self) -> Option<PeerKey> {
+        (!self.newcomer).then_some(self.me)
+    }
+
+    /// Starts round `key`, led by the first in rank order of `leaders` and this replica (a
+    /// newcomer only where none of them may), waiting for `others`. A leader takes in the
+    /// joins that came early.
+    pub fn begin(
+        &mut self,
+        key: RoundKey,
+        leaders: &[PeerKey],
+        others: &[PeerKey],
+        len: usize,
+        now: Duration,
+    ) {
         let leader = self
-            .leader(key, others.iter().copied().chain([self.me]))
+            .leader(key, leaders.iter().copied().chain(self.me_as_leader()))
             .unwrap_or(self.me);
         let mut round = if leader == self.me {
             let mut r = Round::lead(key, self.me, others, len, self.codec, self.timing, now);
@@ -124,14 +155,21 @@ impl Rounds {
     }
 
     /// Early joins: a replica that finished round `round - 1` sooner may already have invited
-    /// this one to round `round`. Follows the invitation of a leader that ranks before this
-    /// replica, if one came; returns whether it did. Invitations to rounds already past are forgotten.
-    pub fn follow_early_invitation(&mut self, key: RoundKey, len: usize, now: Duration) -> bool {
+    /// this one to round `round`. Follows the invitation of one it may follow (see
+    /// [`Rounds::may_follow`]), if one came; returns whether it did. Invitations to rounds
+    /// already past are forgotten.
+    pub fn follow_early_invitation(
+        &mut self,
+        key: RoundKey,
+        leaders: &[PeerKey],
+        len: usize,
+        now: Duration,
+    ) -> bool {
         self.early_joins.retain(|(k, _)| k.index >= key.index);
         let invite = self
             .early_joins
             .iter()
-            .find(|(k, from)| *k == key && self.precedes(key, *from, self.me))
+            .find(|(k, from)| *k == key && self.may_follow(key, *from, leaders))
             .copied();
         let Some((key, from)) = invite else {
             return false;
@@ -143,7 +181,7 @@ impl Rounds {
     }
 
     /// A round message from another replica of this stage, which has completed `round`
-    /// rounds and knows `replicas`. Messages of the current or the last round go to it; a
+    /// rounds and knows `replicas`: those that may lead, and those its rounds wait for. Messages of the current or the last round go to it; a
     /// join of the next round is kept for later; a message of this replica's next round that
     /// another replica started first makes it join that round: following the sender if it
     /// is the leader (a join from one that ranks before it, a start), leading if this one
@@ -158,10 +196,11 @@ impl Rounds {
         msg: RoundMsg,
         round: u64,
         finished: bool,
-        replicas: Vec<PeerKey>,
+        replicas: (Vec<PeerKey>, Vec<PeerKey>),
         len: usize,
         now: Duration,
     ) {
+        let (leaders, replicas) = replicas;
         // A leader passed over that starts late is not blamed: it may only have been slow.
         if matches!(msg, RoundMsg::Start { .. }) && self.passed_over.contains(&(key, from)) {
             return;
@@ -194,13 +233,13 @@ impl Rounds {
                 if !others.contains(&from) {
                     others.push(from);
                 }
-                let leader = self.leader(key, others.iter().copied().chain([self.me]));
+                let leader = self.leader(key, leaders.iter().copied().chain(self.me_as_leader()));
                 if leader == Some(self.me) {
-                    self.begin(key, &others, len, now);
+                    self.begin(key, &leaders, &others, len, now);
                     if let Some(r) = self.current.as_mut() {
                         r.handle(from, RoundMsg::Join, now);
                     }
-                } else if self.precedes(key, from, self.me) {
+                } else if self.may_follow(key, from, &leaders) {
                     self.follow(key, from, len, now);
                 }
             }
@@ -215,7 +254,7 @@ impl Rounds {
             }
             RoundMsg::Part { .. } | RoundMsg::Averaged { .. } => {
                 let leader = self
-                    .leader(key, replicas.iter().copied().chain([self.me]))
+                    .leader(key, leaders.iter().copied().chain(self.me_as_leader()))
                     .unwrap_or(from);
                 self.follow(key, leader, len, now);
                 if let Some(r) = self.current.as_mut() {
@@ -370,7 +409,7 @@ mod tests {
             msg,
             round,
             finished,
-            replicas,
+            (replicas.clone(), replicas),
             8,
             MS,
         );
@@ -399,17 +438,114 @@ mod tests {
         assert_eq!(order(0), [1, 6, 4, 2, 3, 5]);
         assert_eq!(order(1), [3, 2, 6, 4, 5, 1]);
         let mut r = rounds(4);
-        r.begin(key(0), &[PeerKey(2), PeerKey(3)], 8, Duration::ZERO);
+        r.begin(
+            key(0),
+            &[PeerKey(2), PeerKey(3)],
+            &[PeerKey(2), PeerKey(3)],
+            8,
+            Duration::ZERO,
+        );
         assert_eq!(
             sent(&mut r),
             [(PeerKey(2), RoundMsg::Join), (PeerKey(3), RoundMsg::Join)]
         );
         let mut r = rounds(3);
-        r.begin(key(0), &[PeerKey(2), PeerKey(4)], 8, Duration::ZERO);
+        r.begin(
+            key(0),
+            &[PeerKey(2), PeerKey(4)],
+            &[PeerKey(2), PeerKey(4)],
+            8,
+            Duration::ZERO,
+        );
         assert_eq!(sent(&mut r), [(PeerKey(4), RoundMsg::Join)], "follows 4");
         let mut r = rounds(4);
-        r.begin(key(1), &[PeerKey(2), PeerKey(3)], 8, Duration::ZERO);
+        r.begin(
+            key(1),
+            &[PeerKey(2), PeerKey(3)],
+            &[PeerKey(2), PeerKey(3)],
+            8,
+            Duration::ZERO,
+        );
         assert_eq!(sent(&mut r), [(PeerKey(3), RoundMsg::Join)], "follows 3");
+    }
+
+    /// A replica new to its stage does not lead though it ranks first: it joins the leader
+    /// the replicas already there follow, and takes part in that leader's round.
+    #[test]
+    fn a_newcomer_joins_the_round_of_the_leader_the_others_follow() {
+        // Round 0 ranks 1 first, then 6, 4 and 2.
+        let mut r = rounds(1);
+        r.newcomer = true;
+        r.begin(
+            key(0),
+            &[PeerKey(4), PeerKey(2)],
+            &[PeerKey(4), PeerKey(2)],
+            8,
+            Duration::ZERO,
+        );
+        assert_eq!(sent(&mut r), [(PeerKey(4), RoundMsg::Join)], "follows 4");
+        // Invited by the leader before it noticed the step was complete: follows it.
+        let mut out = Outbox::new(PeerKey(1));
+        let mut r = rounds(1);
+        r.newcomer = true;
+        hear(
+            &mut r,
+            &mut out,
+            4,
+            0,
+            RoundMsg::Join,
+            0,
+            false,
+            vec![PeerKey(4), PeerKey(2)],
+        );
+        assert_eq!(sent(&mut r), [(PeerKey(4), RoundMsg::Join)], "follows 4");
+        // Invited early to its next round: it follows a replica it may follow though that
+        // one ranks after it, never an identity it may not (it would hold it in a round
+        // that never starts).
+        let mut r = rounds(1);
+        r.newcomer = true;
+        for from in [9, 2] {
+            hear(
+                &mut r,
+                &mut out,
+                from,
+                1,
+                RoundMsg::Join,
+                0,
+                false,
+                vec![PeerKey(4), PeerKey(2), PeerKey(9)],
+            );
+        }
+        let leaders = [PeerKey(4), PeerKey(2)];
+        assert!(r.follow_early_invitation(key(1), &leaders, 8, MS));
+        assert_eq!(sent(&mut r), [(PeerKey(2), RoundMsg::Join)], "follows 2");
+        let mut r = rounds(1);
+        r.newcomer = true;
+        hear(
+            &mut r,
+            &mut out,
+            9,
+            1,
+            RoundMsg::Join,
+            0,
+            false,
+            vec![PeerKey(4), PeerKey(2), PeerKey(9)],
+        );
+        assert!(!r.follow_early_invitation(key(1), &leaders, 8, MS));
+        // Not new, it leads.
+        let mut r = rounds(1);
+        r.begin(
+            key(0),
+            &[PeerKey(4), PeerKey(2)],
+            &[PeerKey(4), PeerKey(2)],
+            8,
+            Duration::ZERO,
+        );
+        assert_eq!(
+            sent(&mut r),
+            [(PeerKey(2), RoundMsg::Join), (PeerKey(4), RoundMsg::Join)],
+            "leads"
+        );
     }
 
     /// A leader that never starts its round (it withholds, or it is gone without its
@@ -420,7 +556,13 @@ mod tests {
         let mut out = Outbox::new(PeerKey(3));
         let mut r = rounds(3);
         // Among 1, 3 and 5, peer 1 leads round 0 of stage 1.
-        r.begin(key(0), &[PeerKey(1), PeerKey(5)], 8, Duration::ZERO);
+        r.begin(
+            key(0),
+            &[PeerKey(1), PeerKey(5)],
+            &[PeerKey(1), PeerKey(5)],
+            8,
+            Duration::ZERO,
+        );
         assert_eq!(sent(&mut r), [(PeerKey(1), RoundMsg::Join)]);
         r.handle_timeout(Duration::from_secs(600));
         // Evidence against the leader, then the failure.
@@ -441,6 +583,7 @@ mod tests {
         r.begin(
             key(0),
             &[PeerKey(1), PeerKey(5)],
+            &[PeerKey(1), PeerKey(5)],
             8,
             Duration::from_secs(601),
         );
@@ -451,7 +594,13 @@ mod tests {
         // A late start from the passed-over leader is not followed by a replica between
         // rounds, and its join makes it a member, not the leader.
         let mut r2 = rounds(5);
-        r2.begin(key(0), &[PeerKey(1), PeerKey(3)], 8, Duration::ZERO);
+        r2.begin(
+            key(0),
+            &[PeerKey(1), PeerKey(3)],
+            &[PeerKey(1), PeerKey(3)],
+            8,
+            Duration::ZERO,
+        );
         sent(&mut r2);
         r2.handle_timeout(Duration::from_secs(600));
         while r2.poll().is_some() {}
@@ -474,6 +623,7 @@ mod tests {
         r2.begin(
             key(1),
             &[PeerKey(1), PeerKey(3)],
+            &[PeerKey(1), PeerKey(3)],
             8,
             Duration::from_secs(700),
         );
@@ -487,7 +637,7 @@ mod tests {
     fn a_join_that_comes_early_is_kept_for_the_next_round() {
         let mut out = Outbox::new(PeerKey(3));
         let mut r = rounds(3);
-        r.begin(key(0), &[PeerKey(5)], 8, Duration::ZERO);
+        r.begin(key(0), &[PeerKey(5)], &[PeerKey(5)], 8, Duration::ZERO);
         sent(&mut r);
         hear(
             &mut r,
@@ -501,7 +651,7 @@ mod tests {
         );
         r.finish();
         // As leader of round 1 it starts at once: everyone it expects already joined.
-        r.begin(key(1), &[PeerKey(5)], 8, 2 * MS);
+        r.begin(key(1), &[PeerKey(5)], &[PeerKey(5)], 8, 2 * MS);
         let start = sent(&mut r);
         assert!(
             start.contains(&(
@@ -524,8 +674,11 @@ mod tests {
             false,
             vec![PeerKey(3)],
         );
-        assert!(!r.follow_early_invitation(key(0), 8, MS), "not for round 0");
-        assert!(r.follow_early_invitation(key(1), 8, MS));
+        assert!(
+            !r.follow_early_invitation(key(0), &[PeerKey(3)], 8, MS),
+            "not for round 0"
+        );
+        assert!(r.follow_early_invitation(key(1), &[PeerKey(3)], 8, MS));
         assert_eq!(sent(&mut r), [(PeerKey(3), RoundMsg::Join)]);
         // Invitations to rounds long past are not kept.
         let mut r = rounds(5);
@@ -540,7 +693,7 @@ mod tests {
             vec![PeerKey(3)],
         );
         assert!(!r.active());
-        assert!(!r.follow_early_invitation(key(1), 8, MS));
+        assert!(!r.follow_early_invitation(key(1), &[PeerKey(3)], 8, MS));
     }
 
     #[test]
@@ -548,7 +701,7 @@ mod tests {
         use crate::swarm::fixtures::serving as a;
         let mut m = Membership::default();
         let mut r = rounds(5);
-        r.begin(key(0), &[PeerKey(3)], 8, Duration::ZERO);
+        r.begin(key(0), &[PeerKey(3)], &[PeerKey(3)], 8, Duration::ZERO);
         // The leader is not known yet: wait for it.
         assert_eq!(r.leader_gone(1, &m), None);
         m.update(PeerKey(3), a(1), Duration::ZERO);
@@ -563,7 +716,7 @@ mod tests {
         // A leader that is gone altogether counts the same.
         let mut m = Membership::default();
         m.update(PeerKey(3), a(1), Duration::ZERO);
-        r.begin(key(0), &[PeerKey(3)], 8, MS);
+        r.begin(key(0), &[PeerKey(3)], &[PeerKey(3)], 8, MS);
         assert_eq!(r.leader_gone(1, &m), None);
         m.remove(PeerKey(3));
         assert_eq!(r.leader_gone(1, &m), Some(key(0)));

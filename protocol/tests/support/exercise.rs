@@ -102,6 +102,7 @@ fn announcement(stage: Option<u32>, state: MemberState, round: u64, seq: u64) ->
         round,
         params_hash: None,
         finished: false,
+        newcomer: false,
         loss: None,
         memory: 0,
         incarnation: 1,

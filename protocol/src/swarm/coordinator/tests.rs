@@ -194,7 +194,7 @@ fn a_replica_behind_catches_up_from_the_replica_ahead_and_downloads_if_it_cannot
 #[test]
 fn a_driver_ahead_of_a_lagging_stage_is_told_so() {
     let mut c = serving(SyncMode::AllReduce);
-    c.set_position(3, 3);
+    c.set_position(3, 3, false);
     let d = c.demand(&members(&[(9, 1, 2, None)]), 4.0, 0.0);
     assert_eq!(d.ahead, None, "a round behind is normal");
     let d = c.demand(&members(&[(9, 1, 1, None)]), 4.0, 0.0);
@@ -208,7 +208,7 @@ fn a_driver_ahead_of_a_lagging_stage_is_told_so() {
     assert_eq!(d.ahead, Some(1), "the whole of stage 1 is behind");
     // DiLoCo replicas step on their own: no laggards, the quota is the local batch.
     let mut c = serving(SyncMode::diloco(2));
-    c.set_position(3, 3);
+    c.set_position(3, 3, false);
     let d = c.demand(&members(&[(9, 0, 1, None)]), 4.0, 0.0);
     assert_eq!((d.ahead, d.quota, d.others), (None, 4.0, None));
 }
