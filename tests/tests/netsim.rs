@@ -298,6 +298,28 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
     }
 }
 
+/// Joiners average with the replicas already there: six honest peers join `attack.toml` (3
+/// stages of 6, every peer honest here) at 2.2 s of a 150-step run, and each stage's
+/// replicas end on one parameter hash without a re-sync. When only the replicas that had sent
+/// a peer work led and were waited for, the joiners of a stage led rounds of their own and
+/// averaged apart for good (seed 1: 2 of the first stage's 8 replicas).
+#[test]
+fn joiners_average_with_the_replicas_already_there() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../netsim/scenarios/attack.toml");
+    let text = std::fs::read_to_string(path)
+        .unwrap()
+        .replace("behavior = \"sign-flip\"", "behavior = \"honest\"")
+        .replace("steps = 60", "steps = 150")
+        + "\n[[peers]]\ncount = 6\ndevice = \"rtx3090\"\nlink = \"metro\"\njoin_at_s = 2.2\n";
+    let r = run(&text, 1);
+    let table = r.table();
+    assert_eq!(r.peers, 24, "{table}");
+    assert!(r.attackers.is_empty(), "{table}");
+    assert!(r.finished && r.honest_agree, "{table}");
+    assert_eq!(r.resyncs, 0, "{table}");
+    assert!(r.banned.is_empty(), "{table}");
+}
+
 /// A replica that serves joiners a well-formed state with its parameters negated (and a hash
 /// that matches the bytes it sent): each joiner that downloads from it finds the parameters
 /// differ from those more than half of the stage announce, refuses the state and downloads
