@@ -88,12 +88,11 @@ pub(super) struct StepCoordinator {
     /// This stage took the run's last step.
     finished: bool,
     /// This replica downloaded its state from another replica and has not finished a round
-    /// with others since: while its elders serve, it joins the rounds they lead rather than
-    /// leading (see [`StepCoordinator::newcomer`]).
+    /// with others since: while its elders serve, it joins the rounds the settled replicas
+    /// lead rather than leading (see [`StepCoordinator::newcomer`]).
     joined: bool,
-    /// The replicas that served the stage when this replica set out to download it: the
-    /// ones a newcomer follows (the others joined with it, or are identities that only
-    /// announce themselves).
+    /// The replicas that served the stage when this replica set out to download it: while
+    /// none of them serves any more, it is no newcomer (see [`StepCoordinator::newcomer`]).
     elders: Vec<PeerKey>,
     /// Samples committed toward the step being collected.
     accumulated: f64,
@@ -235,18 +234,16 @@ impl StepCoordinator {
     ///
     /// Where no replica has worked with this one yet, the replicas that do not announce
     /// themselves newcomers may lead (every replica at the start of the run; a replica that
-    /// served alone, whom the newcomers join); a newcomer follows the first in rank order of
-    /// the replicas that served the stage when it set out to download it, the leader those
-    /// follow among themselves.
+    /// served alone, whom the newcomers join): a newcomer follows the first of them in rank
+    /// order, the leader they follow among themselves. (Following only the replicas that
+    /// served when it set out to download left a newcomer out for good once joiners that
+    /// came with it had become leaders.)
     fn round_members(&mut self, stage: u32, members: &Membership) -> (Vec<PeerKey>, Vec<PeerKey>) {
         let newcomer = self.newcomer(Some(stage), members);
         self.rounds.newcomer = newcomer;
         let mut leaders = members.leaders(stage);
         if leaders.is_empty() {
             leaders = members.settled(stage);
-        }
-        if newcomer && leaders.iter().any(|k| self.elders.contains(k)) {
-            leaders.retain(|k| self.elders.contains(k));
         }
         (leaders, members.workers(stage))
     }
