@@ -105,6 +105,8 @@ pub struct Round {
     /// The leader whose start never came, or left this member out (the round failed for
     /// that).
     withheld_by: Option<PeerKey>,
+    /// ...and it did so by starting the round with a group that left this member out.
+    excluded: bool,
     expected: BTreeSet<PeerKey>,
     joined: BTreeSet<PeerKey>,
     group: Vec<PeerKey>,
@@ -163,6 +165,7 @@ impl Round {
             phase: Phase::Done,
             leader: None,
             withheld_by: None,
+            excluded: false,
             expected: BTreeSet::new(),
             joined: BTreeSet::new(),
             group: Vec::new(),
@@ -262,6 +265,29 @@ impl Round {
     /// The leader this member waited for in vain, if the round failed for that.
     pub fn withheld_by(&self) -> Option<PeerKey> {
         self.withheld_by
+    }
+
+    /// The leader that started the round without this member, if it failed for that.
+    pub fn excluded_by(&self) -> Option<PeerKey> {
+        self.withheld_by.filter(|_| self.excluded)
+    }
+
+    /// `peer` announced that it is past this round (it finished it, or caught up, elsewhere):
+    /// it will not join it. A leader stops waiting for it; a follower waiting for it to start
+    /// the round fails now rather than at its deadline (it went on without this member).
+    pub fn went_on(&mut self, peer: PeerKey, now: Duration) {
+        match self.phase {
+            Phase::Gathering if !self.joined.contains(&peer) => {
+                self.expected.remove(&peer);
+                self.maybe_start(now, false);
+            }
+            Phase::AwaitStart if self.leader == Some(peer) => {
+                self.withheld_by = self.leader;
+                self.misled();
+                self.fail("the round's leader went on without this replica");
+            }
+            _ => {}
+        }
     }
 
     /// When [`Round::handle_timeout`] should be called.
@@ -446,8 +472,9 @@ impl Round {
                 if !group.contains(&self.me) {
                     // Passed over when the round is tried again, like a leader that never
                     // starts: a leader that leaves its followers out would otherwise lead
-                    // every retry of the round.
+                    // every retry of the round. Its result is not caught up from either.
                     self.withheld_by = self.leader;
+                    self.excluded = true;
                     self.misled();
                     self.fail("the round's group left this replica out");
                     return;

@@ -245,7 +245,19 @@ impl StepCoordinator {
         if leaders.is_empty() {
             leaders = members.settled(stage);
         }
-        (leaders, members.workers(stage))
+        // A replica already past this round (one that left this replica out of it, as
+        // others were caught up from before it came to this) will neither lead nor join it.
+        let round = self.round;
+        let not_past = |ks: Vec<PeerKey>| -> Vec<PeerKey> {
+            ks.into_iter()
+                .filter(|k| {
+                    members
+                        .get(*k)
+                        .is_none_or(|m| m.announcement.round <= round)
+                })
+                .collect()
+        };
+        (not_past(leaders), not_past(members.workers(stage)))
     }
 
     /// Whether this replica of `stage` is new to it: it took its state from another replica
@@ -333,6 +345,7 @@ impl StepCoordinator {
         members
             .iter()
             .filter(|(k, m)| m.serves(stage) && m.announcement.round > self.round && vouched(**k))
+            .filter(|(k, _)| !self.rounds.excluded_by(self.round, **k))
             .max_by_key(|(_, m)| m.announcement.round)
             .map(|(k, _)| *k)
     }
@@ -474,7 +487,10 @@ impl StepCoordinator {
                     next_waiting.map_or(self.last_collected, |t| t.max(self.last_collected));
                 let join_window = self.settings.timing.join_window;
                 let starving = evidence && now.saturating_sub(since) >= join_window;
-                if total >= f64::from(self.settings.global_batch) || starving {
+                // A leader that started this round without this replica took its own samples
+                // (and those of any that followed it) out of the step: they will not come.
+                let excluded = self.rounds.excluded_in(self.round);
+                if total >= f64::from(self.settings.global_batch) || starving || excluded {
                     self.starve_check = None;
                     self.rounds.begin(key, &leaders, &replicas, len, now);
                 } else if evidence {
@@ -547,10 +563,11 @@ impl StepCoordinator {
         now: Duration,
     ) -> Option<Resync> {
         if self.rounds.active() {
+            self.rounds.went_on(from, a.round, now);
             return None;
         }
         if a.round > self.round && !self.finished {
-            if members.vouched(stage)(from) {
+            if members.vouched(stage)(from) && !self.rounds.excluded_by(self.round, from) {
                 self.catch_up(out, stage, from, now);
             }
             return None;

@@ -37,6 +37,9 @@ pub(super) struct Rounds {
     /// round is tried again (they may still take part as members). Every follower of a
     /// leader that withholds its start times out alike, so they pass over the same one.
     passed_over: Vec<(RoundKey, PeerKey)>,
+    /// Leaders that started a round with a group that left this replica out, by round index:
+    /// what they averaged (their own share, or their accomplices') is not caught up from.
+    excluded_by: Vec<(u64, PeerKey)>,
     /// Scripted misbehaviour (see [`super::attack`]): rounds started from now on negate the
     /// part this replica owns, and leave the others out when it leads.
     pub forge_parts: bool,
@@ -62,6 +65,7 @@ impl Rounds {
             early_joins: Vec::new(),
             leader_seen: false,
             passed_over: Vec::new(),
+            excluded_by: Vec::new(),
             forge_parts: false,
             exclude_others: false,
             banned: std::collections::BTreeSet::new(),
@@ -272,6 +276,27 @@ impl Rounds {
         }
     }
 
+    /// `peer` announced it has completed `its_round` rounds: the current round, if already
+    /// behind it, no longer waits for it (see [`Round::went_on`]).
+    pub fn went_on(&mut self, peer: PeerKey, its_round: u64, now: Duration) {
+        if let Some(r) = self.current.as_mut()
+            && its_round > r.key().index
+        {
+            r.went_on(peer, now);
+        }
+    }
+
+    /// Whether `peer` led round `index` of this replica's stage with a group that left this
+    /// replica out.
+    pub fn excluded_by(&self, index: u64, peer: PeerKey) -> bool {
+        self.excluded_by.contains(&(index, peer))
+    }
+
+    /// Whether a leader started round `index` with a group that left this replica out.
+    pub fn excluded_in(&self, index: u64) -> bool {
+        self.excluded_by.iter().any(|(i, _)| *i == index)
+    }
+
     /// A round whose start this replica waits for cannot start once its leader no longer
     /// serves the stage (it moved, re-synced or left, or its connection closed): it fails now
     /// rather than at
@@ -349,6 +374,12 @@ impl Rounds {
             && self.passed_over.len() < MAX_EARLY_JOINS
         {
             self.passed_over.push((key, leader));
+        }
+        self.excluded_by.retain(|(index, _)| *index >= key.index);
+        if let Some(leader) = r.excluded_by()
+            && self.excluded_by.len() < MAX_EARLY_JOINS
+        {
+            self.excluded_by.push((key.index, leader));
         }
     }
 
@@ -720,6 +751,76 @@ mod tests {
         assert_eq!(r.leader_gone(1, &m), None);
         m.remove(PeerKey(3));
         assert_eq!(r.leader_gone(1, &m), Some(key(0)));
+    }
+
+    /// A leader that starts a round with a group leaving this replica out is remembered for
+    /// that round (its result is not caught up from, and its samples are not waited for); a
+    /// replica that announces it is past the round is not waited for, and a follower whose
+    /// leader went on fails at once.
+    #[test]
+    fn a_round_run_without_this_replica_is_not_waited_for() {
+        let mut out = Outbox::new(PeerKey(5));
+        let mut r = rounds(5);
+        r.begin(key(0), &[PeerKey(1)], &[PeerKey(1), PeerKey(3)], 8, MS);
+        sent(&mut r);
+        let alone = RoundMsg::Start {
+            group: vec![PeerKey(1)],
+        };
+        hear(&mut r, &mut out, 1, 0, alone, 0, false, vec![PeerKey(1)]);
+        let mut evidence = None;
+        while let Some((_, o)) = r.poll() {
+            match o {
+                RoundOut::Evidence(e) => evidence = Some(e),
+                RoundOut::Failed(_) => r.fail(),
+                _ => {}
+            }
+        }
+        assert_eq!(
+            evidence,
+            Some(Evidence::Led {
+                peer: PeerKey(1),
+                included: false
+            })
+        );
+        assert!(r.excluded_by(0, PeerKey(1)) && r.excluded_in(0));
+        assert!(!r.excluded_by(0, PeerKey(3)) && !r.excluded_in(1));
+        // Tried again, 5 leads and waits for 1 and 3 until 1 says it is past round 0.
+        r.begin(key(0), &[], &[PeerKey(1), PeerKey(3)], 8, 2 * MS);
+        sent(&mut r);
+        let mut join = |r: &mut Rounds, from| {
+            r.on_message(
+                &mut out,
+                PeerKey(from),
+                key(0),
+                RoundMsg::Join,
+                0,
+                false,
+                (Vec::new(), vec![PeerKey(1), PeerKey(3)]),
+                8,
+                3 * MS,
+            )
+        };
+        join(&mut r, 3);
+        assert!(r.poll().is_none(), "1 is waited for");
+        r.went_on(PeerKey(1), 0, 4 * MS);
+        assert!(
+            r.poll().is_none(),
+            "a replica still at round 0 is waited for"
+        );
+        r.went_on(PeerKey(1), 1, 4 * MS);
+        let starts: Vec<_> = std::iter::from_fn(|| r.poll()).collect();
+        let started_without_1 = |(_, o): &(RoundKey, RoundOut)| {
+            matches!(o, RoundOut::Send(PeerKey(3), RoundMsg::Start { group })
+                if group.len() == 2 && !group.contains(&PeerKey(1)))
+        };
+        assert!(starts.iter().any(started_without_1), "{starts:?}");
+        // A follower whose leader announces it went past the round fails now.
+        let mut f = rounds(5);
+        f.begin(key(2), &[PeerKey(1)], &[PeerKey(1)], 8, MS);
+        sent(&mut f);
+        f.went_on(PeerKey(1), 3, 2 * MS);
+        let out: Vec<_> = std::iter::from_fn(|| f.poll()).map(|(_, o)| o).collect();
+        assert!(matches!(out.last(), Some(RoundOut::Failed(_))), "{out:?}");
     }
 
     #[test]
