@@ -533,35 +533,20 @@ mod tests {
         // Invited early to its next round: it follows a replica it may follow though that
         // one ranks after it, never an identity it may not (it would hold it in a round
         // that never starts).
-        let mut r = rounds(1);
-        r.newcomer = true;
-        for from in [9, 2] {
-            hear(
-                &mut r,
-                &mut out,
-                from,
-                1,
-                RoundMsg::Join,
-                0,
-                false,
-                vec![PeerKey(4), PeerKey(2), PeerKey(9)],
-            );
-        }
+        let invited_by = |out: &mut Outbox, from: &[u64]| {
+            let mut r = rounds(1);
+            r.newcomer = true;
+            for &k in from {
+                let replicas = vec![PeerKey(4), PeerKey(2), PeerKey(9)];
+                hear(&mut r, out, k, 1, RoundMsg::Join, 0, false, replicas);
+            }
+            r
+        };
         let leaders = [PeerKey(4), PeerKey(2)];
+        let mut r = invited_by(&mut out, &[9, 2]);
         assert!(r.follow_early_invitation(key(1), &leaders, 8, MS));
         assert_eq!(sent(&mut r), [(PeerKey(2), RoundMsg::Join)], "follows 2");
-        let mut r = rounds(1);
-        r.newcomer = true;
-        hear(
-            &mut r,
-            &mut out,
-            9,
-            1,
-            RoundMsg::Join,
-            0,
-            false,
-            vec![PeerKey(4), PeerKey(2), PeerKey(9)],
-        );
+        let mut r = invited_by(&mut out, &[9]);
         assert!(!r.follow_early_invitation(key(1), &leaders, 8, MS));
         // Not new, it leads.
         let mut r = rounds(1);
