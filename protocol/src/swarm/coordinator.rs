@@ -245,8 +245,8 @@ impl StepCoordinator {
         if leaders.is_empty() {
             leaders = members.settled(stage);
         }
-        // A replica already past this round (one that left this replica out of it, as
-        // others were caught up from before it came to this) will neither lead nor join it.
+        // A replica that announces a later round finished this one elsewhere (it ran it
+        // without this replica): it will neither lead this round nor join it.
         let round = self.round;
         let not_past = |ks: Vec<PeerKey>| -> Vec<PeerKey> {
             ks.into_iter()
