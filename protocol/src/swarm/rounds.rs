@@ -36,10 +36,9 @@ pub(super) struct Rounds {
     /// Leaders whose start this replica waited for in vain, by round: passed over when the
     /// round is tried again (they may still take part as members). Every follower of a
     /// leader that withholds its start times out alike, so they pass over the same one.
-    passed_over: Vec<(RoundKey, PeerKey)>,
-    /// Leaders that started a round with a group that left this replica out, by round index:
-    /// what they averaged (their own share, or their accomplices') is not caught up from.
-    excluded_by: Vec<(u64, PeerKey)>,
+    /// `excluded`: the leader did start the round, with a group that left this replica out;
+    /// what it averaged (its own share, or its accomplices') is not caught up from.
+    passed_over: Vec<PassedOver>,
     /// Scripted misbehaviour (see [`super::attack`]): rounds started from now on negate the
     /// part this replica owns, and leave the others out when it leads.
     pub forge_parts: bool,
@@ -51,6 +50,15 @@ pub(super) struct Rounds {
     /// the replicas already there follow. Were it to lead, it and the other joiners, whom
     /// those replicas do not follow, would average apart for good.
     pub newcomer: bool,
+}
+
+/// A leader a follower gave up on in one round ([`Rounds::fail`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PassedOver {
+    key: RoundKey,
+    leader: PeerKey,
+    /// It started the round without this replica (rather than never starting it).
+    excluded: bool,
 }
 
 impl Rounds {
@@ -65,7 +73,6 @@ impl Rounds {
             early_joins: Vec::new(),
             leader_seen: false,
             passed_over: Vec::new(),
-            excluded_by: Vec::new(),
             forge_parts: false,
             exclude_others: false,
             banned: std::collections::BTreeSet::new(),
@@ -91,16 +98,12 @@ impl Rounds {
 
     /// The first of `peers` in `key`'s rank order that was not passed over in that round.
     fn leader(&self, key: RoundKey, peers: impl IntoIterator<Item = PeerKey>) -> Option<PeerKey> {
-        key.leader(
-            peers
-                .into_iter()
-                .filter(|p| !self.passed_over.contains(&(key, *p))),
-        )
+        key.leader(peers.into_iter().filter(|p| !self.passed_over_in(key, *p)))
     }
 
     /// Whether `a` may lead `key` before `b` would.
     fn precedes(&self, key: RoundKey, a: PeerKey, b: PeerKey) -> bool {
-        !self.passed_over.contains(&(key, a)) && key.rank(a) < key.rank(b)
+        !self.passed_over_in(key, a) && key.rank(a) < key.rank(b)
     }
 
     /// Whether this replica follows `from`'s invitation to round `key`: one that ranks
@@ -108,7 +111,7 @@ impl Rounds {
     /// them the others follow).
     fn may_follow(&self, key: RoundKey, from: PeerKey, leaders: &[PeerKey]) -> bool {
         match self.newcomer {
-            true => leaders.contains(&from) && !self.passed_over.contains(&(key, from)),
+            true => leaders.contains(&from) && !self.passed_over_in(key, from),
             false => self.precedes(key, from, self.me),
         }
     }
@@ -206,7 +209,7 @@ impl Rounds {
     ) {
         let (leaders, replicas) = replicas;
         // A leader passed over that starts late is not blamed: it may only have been slow.
-        if matches!(msg, RoundMsg::Start { .. }) && self.passed_over.contains(&(key, from)) {
+        if matches!(msg, RoundMsg::Start { .. }) && self.passed_over_in(key, from) {
             return;
         }
         for r in [self.current.as_mut(), self.last.as_mut()]
@@ -289,12 +292,23 @@ impl Rounds {
     /// Whether `peer` led round `index` of this replica's stage with a group that left this
     /// replica out.
     pub fn excluded_by(&self, index: u64, peer: PeerKey) -> bool {
-        self.excluded_by.contains(&(index, peer))
+        self.passed_over
+            .iter()
+            .any(|p| p.excluded && p.key.index == index && p.leader == peer)
     }
 
     /// Whether a leader started round `index` with a group that left this replica out.
     pub fn excluded_in(&self, index: u64) -> bool {
-        self.excluded_by.iter().any(|(i, _)| *i == index)
+        self.passed_over
+            .iter()
+            .any(|p| p.excluded && p.key.index == index)
+    }
+
+    /// Whether this replica passed over `leader` in round `key`.
+    fn passed_over_in(&self, key: RoundKey, leader: PeerKey) -> bool {
+        self.passed_over
+            .iter()
+            .any(|p| p.key == key && p.leader == leader)
     }
 
     /// A round whose start this replica waits for cannot start once its leader no longer
@@ -369,17 +383,15 @@ impl Rounds {
             return;
         };
         let key = r.key();
-        self.passed_over.retain(|(k, _)| k.index >= key.index);
+        self.passed_over.retain(|p| p.key.index >= key.index);
         if let Some(leader) = r.withheld_by()
             && self.passed_over.len() < MAX_EARLY_JOINS
         {
-            self.passed_over.push((key, leader));
-        }
-        self.excluded_by.retain(|(index, _)| *index >= key.index);
-        if let Some(leader) = r.excluded_by()
-            && self.excluded_by.len() < MAX_EARLY_JOINS
-        {
-            self.excluded_by.push((key.index, leader));
+            self.passed_over.push(PassedOver {
+                key,
+                leader,
+                excluded: r.excluded_by().is_some(),
+            });
         }
     }
 
