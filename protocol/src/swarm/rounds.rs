@@ -36,8 +36,6 @@ pub(super) struct Rounds {
     /// Leaders whose start this replica waited for in vain, by round: passed over when the
     /// round is tried again (they may still take part as members). Every follower of a
     /// leader that withholds its start times out alike, so they pass over the same one.
-    /// `excluded`: the leader did start the round, with a group that left this replica out;
-    /// what it averaged (its own share, or its accomplices') is not caught up from.
     passed_over: Vec<PassedOver>,
     /// Scripted misbehaviour (see [`super::attack`]): rounds started from now on negate the
     /// part this replica owns, and leave the others out when it leads.
@@ -57,7 +55,8 @@ pub(super) struct Rounds {
 struct PassedOver {
     key: RoundKey,
     leader: PeerKey,
-    /// It started the round without this replica (rather than never starting it).
+    /// It started the round without this replica (rather than never starting it): what it
+    /// averaged (its own share, or its accomplices') is not caught up from.
     excluded: bool,
 }
 
