@@ -63,6 +63,10 @@ pub struct Report {
     /// State transfers refused by their receivers: the state differed from the parameters
     /// more than half of its stage announce (a poisoned state).
     pub refused_states: u64,
+    /// Averaged parts the members' votes refused, counted once per honest replica that applied
+    /// zero there: most members that could tell found the part pointing against their own
+    /// shares (a forged part; 0 where every peer is honest).
+    pub refused_parts: u64,
     /// Protocol violations the peers reported (0 where every simulated peer is honest).
     pub violations: u64,
     /// Peers that attack at some point (numbered in the order they joined).
@@ -175,6 +179,9 @@ impl Report {
         row(&mut out, "re-syncs", self.resyncs.to_string());
         if self.refused_states > 0 {
             row(&mut out, "states refused", self.refused_states.to_string());
+        }
+        if self.refused_parts > 0 {
+            row(&mut out, "parts refused", self.refused_parts.to_string());
         }
         row(&mut out, "violations", self.violations.to_string());
         if !self.banned.is_empty() || self.false_bans > 0 {

@@ -240,6 +240,8 @@ pub struct Sim {
     resyncs: u64,
     /// States refused by their receivers (they differed from the stage's parameters).
     refused_states: u64,
+    /// Averaged parts the members' votes refused, once per honest replica.
+    refused_parts: u64,
     violations: u64,
     /// `[sim_s, peer, reason]`: the first ban of each peer by an honest peer.
     banned: Vec<(f64, usize, String)>,
@@ -282,6 +284,7 @@ impl Sim {
             committed: BTreeSet::new(),
             double_commits: 0,
             resyncs: 0,
+            refused_parts: 0,
             refused_states: 0,
             violations: 0,
             banned: Vec::new(),
@@ -803,6 +806,9 @@ impl Sim {
             }
             Event::Resync { .. } => self.resyncs += 1,
             Event::StateRefused { .. } => self.refused_states += 1,
+            Event::RoundDegraded { refused, .. } if !self.peers[i].attacker() => {
+                self.refused_parts += refused as u64;
+            }
             Event::Violation { .. } => self.violations += 1,
             Event::Banned { peer, why, .. } if !self.peers[i].attacker() => {
                 // The first honest peer to ban it; an attacker's bans are its own affair.

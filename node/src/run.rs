@@ -693,7 +693,11 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
             round,
             left_out,
             zeroed,
-        } => tracing::warn!("round {round}: {left_out} member(s) left out, {zeroed} part(s) lost"),
+            refused,
+        } => tracing::warn!(
+            "round {round}: {left_out} member(s) left out, {zeroed} part(s) lost, \
+             {refused} part(s) refused by the members' vote (forged)"
+        ),
         Event::RoundFailed { round, reason } => tracing::info!("round {round}: {reason}"),
         Event::Resync { from, reason } => println!("re-syncing from {from}: {reason}"),
         Event::StateRefused { from } => println!(

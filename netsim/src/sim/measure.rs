@@ -163,6 +163,7 @@ impl Sim {
             double_commits: self.double_commits,
             resyncs: self.resyncs,
             refused_states: self.refused_states,
+            refused_parts: self.refused_parts,
             violations: self.violations,
             attackers,
             banned: self.banned,

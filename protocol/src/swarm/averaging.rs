@@ -10,6 +10,15 @@
 //! [`super::bans`]), and sends the averaged part, encoded once, to everyone. All members, the owner included,
 //! use the decoded bytes, so every replica applies bit-identical values.
 //!
+//! The averaged part an owner sends is what every replica applies, and a forged one is not
+//! clipped by anything: so before applying, every member votes on every part (a
+//! [`RoundMsg::Verdict`] to all): accept when the part points along its own share of it,
+//! refuse when against, abstain when it cannot tell ([`robust::VOTE_COSINE`]). A part with
+//! more refusals than acceptances among the members other than its owner is applied by nobody
+//! (zero there, as for a lost part). Members decide on the votes that reached them; liars
+//! fewer than the honest members that could tell cannot change the outcome, and where members
+//! still decide differently the hash vote after the round re-syncs the minority.
+//!
 //! Faults: a member that never sends its part is left out of that part's average (the others
 //! still average over the samples they have). An owner that vanishes before sending its
 //! averaged part to everyone: the members missing it ask the others, and take it from anyone
@@ -19,7 +28,7 @@
 use super::PeerKey;
 use super::bans::Evidence;
 use super::config::Timing;
-use super::message::{RoundKey, RoundMsg};
+use super::message::{RoundKey, RoundMsg, Vote};
 use super::norms;
 use super::robust::{self, Share};
 use crate::{Codec, Decoder, Encoder};
@@ -68,6 +77,9 @@ pub struct RoundResult {
     pub left_out: Vec<PeerKey>,
     /// Parts nobody could deliver (zero everywhere).
     pub zeroed: Vec<u32>,
+    /// Parts the members' votes refused (zero here, identically on every member that saw the
+    /// same votes).
+    pub refused: Vec<u32>,
     /// What this member saw of the others, the evidence bans are built on: per member whose
     /// share reached this member's part, how much it supported the part's robust mean
     /// ([`robust::Aggregate::support`]); per averaged part received, how well it agreed with
@@ -87,6 +99,8 @@ enum Phase {
     Exchanging,
     /// Asking other members for averaged parts whose owner went quiet.
     Filling,
+    /// Every part is in (or given up on): collecting the members' verdicts on them.
+    Voting,
     /// Over.
     Done,
 }
@@ -119,6 +133,14 @@ pub struct Round {
     shares: BTreeMap<PeerKey, (Vec<f32>, f64, Option<f64>)>,
     owned_done: bool,
     averaged: Vec<Option<Vec<f32>>>,
+    /// This member's vote on each part, and the verdicts of the others.
+    votes: Vec<Vote>,
+    verdicts: BTreeMap<PeerKey, Vec<Vote>>,
+    /// Members that sent this member their share or their averaged part this attempt: those
+    /// whose verdicts are waited for (one silent so far is not waited for again).
+    heard: BTreeSet<PeerKey>,
+    /// Parts nobody could deliver, known before the vote.
+    zeroed: Vec<u32>,
     /// Averaged parts as encoded, to answer requests.
     encoded: BTreeMap<u32, (f64, Option<f64>, Vec<u8>)>,
     own_samples: f64,
@@ -129,8 +151,8 @@ pub struct Round {
     evidence: Vec<Evidence>,
     /// This member's contribution (a sum over `own_samples`), to check averaged parts by.
     own: Vec<f32>,
-    /// Scripted misbehaviour: negate the part this member owns; leading, leave the others
-    /// out.
+    /// Scripted misbehaviour: negate the part this member owns (and vote for the parts that
+    /// point against its share, against the others); leading, leave the others out.
     pub(super) forge_part: bool,
     pub(super) exclude_others: bool,
     missing_answers: BTreeMap<u32, BTreeSet<PeerKey>>,
@@ -175,6 +197,10 @@ impl Round {
             shares: BTreeMap::new(),
             owned_done: false,
             averaged: Vec::new(),
+            votes: Vec::new(),
+            verdicts: BTreeMap::new(),
+            heard: BTreeSet::new(),
+            zeroed: Vec::new(),
             encoded: BTreeMap::new(),
             own_samples: 0.0,
             own_scale: 0.0,
@@ -247,8 +273,10 @@ impl Round {
     /// Whether this member's contribution has been taken (from then on, new work counts
     /// toward the next round).
     pub fn contributed(&self) -> bool {
-        matches!(self.phase, Phase::Exchanging | Phase::Filling)
-            || (self.phase == Phase::Done && !self.group.is_empty())
+        matches!(
+            self.phase,
+            Phase::Exchanging | Phase::Filling | Phase::Voting
+        ) || (self.phase == Phase::Done && !self.group.is_empty())
     }
 
     /// Whether `peer` is in the round's group (or, before the group is fixed, its leader or
@@ -342,6 +370,10 @@ impl Round {
         self.deadline = None;
         self.started = now;
         self.averaged = vec![None; self.group.len()];
+        self.votes = vec![Vote::Abstain; self.group.len()];
+        self.verdicts.clear();
+        self.heard.clear();
+        self.zeroed.clear();
         self.out.push_back(RoundOut::NeedContribution);
     }
 
@@ -431,13 +463,14 @@ impl Round {
                 self.maybe_start(now, false);
             }
             Phase::AwaitStart | Phase::Done => {}
-            Phase::AwaitContribution | Phase::Exchanging | Phase::Filling => {
+            Phase::AwaitContribution | Phase::Exchanging | Phase::Filling | Phase::Voting => {
                 if self.group.contains(&peer) && !self.owned_done {
                     self.shares.entry(peer).or_insert((Vec::new(), 0.0, None));
                 }
                 self.maybe_reduce(now, false);
                 self.maybe_finish(now);
                 self.maybe_give_up_fill(now);
+                self.maybe_decide();
             }
         }
     }
@@ -492,7 +525,8 @@ impl Round {
             (_, RoundMsg::Start { .. }) if Some(from) != self.leader => {}
             (
                 Phase::AwaitStart | Phase::AwaitContribution,
-                msg @ (RoundMsg::Part { .. } | RoundMsg::Averaged { .. }),
+                msg
+                @ (RoundMsg::Part { .. } | RoundMsg::Averaged { .. } | RoundMsg::Verdict { .. }),
             ) if self.early.len() < MAX_EARLY => self.early.push((from, msg)),
             (
                 Phase::Exchanging | Phase::Filling,
@@ -532,6 +566,7 @@ impl Round {
                         self.shares.insert(from, (Vec::new(), 0.0, None));
                     }
                     Some(v) => {
+                        self.heard.insert(from);
                         self.shares.insert(from, (v, samples, loss));
                     }
                     None => self.violation(
@@ -582,18 +617,21 @@ impl Round {
                     }
                     Some(v) => {
                         let own = self.own.get(self.range(j)).unwrap_or_default();
-                        // Evidence only: a member does not refuse a part on its own (members
-                        // with no samples this round cannot check it, and replicas that
-                        // applied different parts would diverge); the owner is banned instead.
-                        // A part relayed while filling is not the relayer's work: no evidence.
-                        let from_owner = self.phase == Phase::Exchanging;
-                        if let Some(agreement) =
-                            robust::agreement(own, self.own_samples, &v).filter(|_| from_owner)
+                        // A part relayed while filling is not the relayer's work: no evidence
+                        // (but it is voted on like the owner's).
+                        if let Some(agreement) = robust::agreement(own, self.own_samples, &v)
+                            .filter(|_| self.phase == Phase::Exchanging)
                         {
                             self.evidence.push(Evidence::Part {
                                 peer: from,
                                 agreement,
                             });
+                        }
+                        if self.phase == Phase::Exchanging {
+                            self.heard.insert(from);
+                        }
+                        if Some(j) != self.my_index() && self.own_samples > 0.0 {
+                            self.votes[j] = vote(robust::cosine(own, &v), self.forge_part);
                         }
                         self.averaged[j] = Some(v);
                         if self.loss.is_none() {
@@ -607,6 +645,24 @@ impl Round {
                     ),
                 }
                 self.maybe_finish(now);
+            }
+            (
+                Phase::Exchanging | Phase::Filling | Phase::Voting,
+                RoundMsg::Verdict { votes, .. },
+            ) => {
+                if !self.group.contains(&from)
+                    || from == self.me
+                    || votes.len() != self.group.len()
+                    || self.verdicts.contains_key(&from)
+                {
+                    self.violation(
+                        from,
+                        "a verdict from outside the group, twice, or not one vote per part",
+                    );
+                    return;
+                }
+                self.verdicts.insert(from, votes);
+                self.maybe_decide();
             }
             (Phase::Filling, RoundMsg::Missing { part, .. }) if self.group.contains(&from) => {
                 self.missing_answers.entry(part).or_default().insert(from);
@@ -720,7 +776,7 @@ impl Round {
             .map(|j| self.group[j])
             .collect();
         if missing.is_empty() {
-            self.finish(Vec::new());
+            self.vote(Vec::new(), now);
         } else if self.phase == Phase::Exchanging && missing.iter().all(|k| self.gone.contains(k)) {
             // Only parts of members that are gone are missing: ask the others now rather than
             // at the round's timeout.
@@ -728,7 +784,60 @@ impl Round {
         }
     }
 
-    fn finish(&mut self, zeroed: Vec<u32>) {
+    /// Every part is in, or given up on (`zeroed`): tell the others how this member found
+    /// each part, and wait for theirs.
+    fn vote(&mut self, zeroed: Vec<u32>, now: Duration) {
+        self.zeroed = zeroed;
+        if self.group.len() == 1 {
+            return self.decide();
+        }
+        for &k in &self.group {
+            if k != self.me && !self.gone.contains(&k) {
+                self.out.push_back(RoundOut::Send(
+                    k,
+                    RoundMsg::Verdict {
+                        attempt: self.attempt,
+                        votes: self.votes.clone(),
+                    },
+                ));
+            }
+        }
+        self.phase = Phase::Voting;
+        self.deadline = Some(now + self.timing.round_timeout / 2);
+        self.maybe_decide();
+    }
+
+    fn maybe_decide(&mut self) {
+        let heard_all = self
+            .heard
+            .iter()
+            .all(|k| self.gone.contains(k) || self.verdicts.contains_key(k));
+        if self.phase == Phase::Voting && heard_all {
+            self.decide();
+        }
+    }
+
+    /// Apply the votes that came: a part with more refusals than acceptances among the
+    /// members other than its owner is zero.
+    fn decide(&mut self) {
+        let me = self.me;
+        let ballots: Vec<(PeerKey, &[Vote])> = std::iter::once((me, &self.votes[..]))
+            .chain(self.verdicts.iter().map(|(k, v)| (*k, &v[..])))
+            .collect();
+        let refused: Vec<u32> = tally(&self.group, &ballots)
+            .into_iter()
+            .filter(|j| !self.zeroed.contains(j))
+            .collect();
+        for &j in &refused {
+            if let Some(Some(part)) = self.averaged.get_mut(j as usize) {
+                part.iter_mut().for_each(|v| *v = 0.0);
+            }
+        }
+        let zeroed = std::mem::take(&mut self.zeroed);
+        self.finish(zeroed, refused);
+    }
+
+    fn finish(&mut self, zeroed: Vec<u32>, refused: Vec<u32>) {
         let mut averaged = Vec::with_capacity(self.len);
         for (j, p) in self.averaged.iter().enumerate() {
             match p {
@@ -767,6 +876,7 @@ impl Round {
             loss: self.loss,
             left_out,
             zeroed,
+            refused,
             evidence: std::mem::take(&mut self.evidence),
         }));
     }
@@ -813,7 +923,7 @@ impl Round {
         self.maybe_give_up_fill(now);
     }
 
-    fn maybe_give_up_fill(&mut self, _now: Duration) {
+    fn maybe_give_up_fill(&mut self, now: Duration) {
         if self.phase != Phase::Filling {
             return;
         }
@@ -833,7 +943,7 @@ impl Round {
             .filter(|j| self.averaged[*j].is_none())
             .collect();
         if missing.iter().all(|j| all_said_missing(*j)) {
-            self.finish(missing.iter().map(|j| *j as u32).collect());
+            self.vote(missing.iter().map(|j| *j as u32).collect(), now);
         }
     }
 
@@ -862,10 +972,45 @@ impl Round {
                     .filter(|j| self.averaged[*j].is_none())
                     .map(|j| j as u32)
                     .collect();
-                self.finish(zeroed);
+                self.vote(zeroed, now);
             }
+            Phase::Voting => self.decide(),
             Phase::AwaitContribution | Phase::Done => self.deadline = None,
         }
+    }
+}
+
+/// The parts of `group` the `ballots` (each member's votes, in part order) refuse: more
+/// refusals than acceptances among the members other than the part's owner (a tie keeps the
+/// part).
+fn tally(group: &[PeerKey], ballots: &[(PeerKey, &[Vote])]) -> Vec<u32> {
+    (0..group.len())
+        .filter(|&j| {
+            let count = |want: Vote| {
+                ballots
+                    .iter()
+                    .filter(|(k, votes)| *k != group[j] && votes.get(j) == Some(&want))
+                    .count()
+            };
+            count(Vote::Refuse) > count(Vote::Accept)
+        })
+        .map(|j| j as u32)
+        .collect()
+}
+
+/// How a member finds a part from the [`robust::cosine`] between its own share and it (None:
+/// either is zero). A scripted forger votes the other way: for the forged parts, against the
+/// honest ones.
+fn vote(cosine: Option<f64>, inverted: bool) -> Vote {
+    let found = match cosine {
+        Some(c) if c > robust::VOTE_COSINE => Vote::Accept,
+        Some(c) if c < -robust::VOTE_COSINE => Vote::Refuse,
+        _ => Vote::Abstain,
+    };
+    match (found, inverted) {
+        (Vote::Accept, true) | (Vote::Abstain, true) => Vote::Refuse,
+        (Vote::Refuse, true) => Vote::Accept,
+        (found, false) => found,
     }
 }
 

@@ -725,12 +725,16 @@ impl StepCoordinator {
                     SyncMode::DiLoCo { .. } => Job::TakePseudoGradient,
                 }),
                 RoundOut::Finished(result) => {
-                    if !result.left_out.is_empty() || !result.zeroed.is_empty() {
+                    if !result.left_out.is_empty()
+                        || !result.zeroed.is_empty()
+                        || !result.refused.is_empty()
+                    {
                         self.stats.rounds_degraded += 1;
                         out.event(Event::RoundDegraded {
                             round: key.index,
                             left_out: result.left_out.len(),
                             zeroed: result.zeroed.len(),
+                            refused: result.refused.len(),
                         });
                     }
                     self.stats.rounds += 1;

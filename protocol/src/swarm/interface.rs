@@ -189,6 +189,9 @@ pub enum Event {
         left_out: usize,
         /// Parts nobody delivered.
         zeroed: usize,
+        /// Parts the members' vote refused: most members that could tell found them pointing
+        /// against their own shares.
+        refused: usize,
     },
     /// A round this replica could not take part in.
     RoundFailed {

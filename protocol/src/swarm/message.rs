@@ -253,6 +253,27 @@ pub enum RoundMsg {
         /// Which part.
         part: u32,
     },
+    /// A member's check of every averaged part against its own share, to every member: a
+    /// part most members that could tell found pointing against their shares is applied by
+    /// nobody.
+    Verdict {
+        /// The attempt ([`RoundKey::attempt`]).
+        attempt: u64,
+        /// One vote per part, in part order.
+        votes: Vec<Vote>,
+    },
+}
+
+/// One member's check of one averaged part ([`RoundMsg::Verdict`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Vote {
+    /// The part points along this member's own share.
+    Accept,
+    /// This member cannot tell (no samples this round, its share is mostly noise, or it owns
+    /// the part).
+    Abstain,
+    /// The part points against this member's own share.
+    Refuse,
 }
 
 impl RoundMsg {
@@ -263,7 +284,8 @@ impl RoundMsg {
             RoundMsg::Part { attempt, .. }
             | RoundMsg::Averaged { attempt, .. }
             | RoundMsg::Request { attempt, .. }
-            | RoundMsg::Missing { attempt, .. } => Some(*attempt),
+            | RoundMsg::Missing { attempt, .. }
+            | RoundMsg::Verdict { attempt, .. } => Some(*attempt),
         }
     }
 }

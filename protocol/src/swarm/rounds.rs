@@ -274,7 +274,7 @@ impl Rounds {
                     msg: RoundMsg::Missing { attempt, part },
                 },
             ),
-            RoundMsg::Missing { .. } => {}
+            RoundMsg::Missing { .. } | RoundMsg::Verdict { .. } => {}
         }
     }
 

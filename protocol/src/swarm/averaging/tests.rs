@@ -170,6 +170,130 @@ fn parts_far_larger_than_this_members_own_are_refused() {
     );
 }
 
+/// An averaged part that points against this member's own share of it (a negated part) gets
+/// this member's refusal; with no acceptance from another member (the owner's own vote does
+/// not count) nobody applies it, and the round says so. An honest part is applied as sent.
+/// Either way the member waits for the other's verdict before applying anything.
+#[test]
+fn a_part_the_members_refuse_is_applied_by_nobody() {
+    let key = RoundKey { stage: 1, index: 0 };
+    let (a, b) = (PeerKey(1), PeerKey(2));
+    let own: Vec<f32> = (0..8).map(|i| 1.0 + i as f32).collect();
+    for (sign, refused) in [(1.0f32, false), (-1.0, true)] {
+        let mut r = Round::lead(key, a, &[b], 8, Codec::Fp32, timing(), Duration::ZERO);
+        r.handle(b, RoundMsg::Join, Duration::ZERO);
+        while r.poll().is_some() {}
+        r.contribute(&own, 2.0, None, Duration::ZERO);
+        let mine = r.my_index().unwrap();
+        let theirs = 1 - mine;
+        let (m, t) = (r.range(mine), r.range(theirs));
+        while r.poll().is_some() {}
+        let share = crate::codec::encode_to_vec(Codec::Fp32, &own[m.clone()], &[m.len()]);
+        r.handle(
+            b,
+            RoundMsg::Part {
+                attempt: r.attempt,
+                part: mine as u32,
+                samples: 2.0,
+                loss: None,
+                data: share.unwrap(),
+            },
+            MS,
+        );
+        // b's averaged part: this member's per-sample share of it, times the sign.
+        let part: Vec<f32> = own[t.clone()].iter().map(|v| sign * v / 2.0).collect();
+        let data = crate::codec::encode_to_vec(Codec::Fp32, &part, &[t.len()]).unwrap();
+        r.handle(
+            b,
+            RoundMsg::Averaged {
+                attempt: r.attempt,
+                part: theirs as u32,
+                samples: 4.0,
+                loss: None,
+                data,
+            },
+            MS,
+        );
+        let outs: Vec<RoundOut> = std::iter::from_fn(|| r.poll()).collect();
+        let mut expected = vec![Vote::Abstain; 2];
+        expected[theirs] = if refused { Vote::Refuse } else { Vote::Accept };
+        assert!(
+            outs.contains(&RoundOut::Send(
+                b,
+                RoundMsg::Verdict {
+                    attempt: r.attempt,
+                    votes: expected,
+                }
+            )),
+            "{outs:?}"
+        );
+        assert!(!outs.iter().any(|o| matches!(o, RoundOut::Finished(_))));
+        // b vouches for its own part: an owner's vote on its own part does not count.
+        let mut votes = vec![Vote::Abstain; 2];
+        votes[theirs] = Vote::Accept;
+        r.handle(
+            b,
+            RoundMsg::Verdict {
+                attempt: r.attempt,
+                votes,
+            },
+            MS,
+        );
+        let result = std::iter::from_fn(|| r.poll())
+            .find_map(|o| match o {
+                RoundOut::Finished(result) => Some(result),
+                _ => None,
+            })
+            .expect("the round finished");
+        let applied = &result.averaged[t];
+        if refused {
+            assert_eq!(result.refused, vec![theirs as u32]);
+            assert!(applied.iter().all(|v| *v == 0.0), "{applied:?}");
+        } else {
+            assert!(result.refused.is_empty());
+            assert_eq!(applied, &part[..]);
+        }
+        // Refused or not, the part is evidence against or for its owner.
+        assert!(result.evidence.iter().any(|e| matches!(
+            e,
+            Evidence::Part { peer, agreement } if *peer == b && (*agreement < 0.0) == refused
+        )));
+    }
+}
+
+/// A part is refused only by more refusals than acceptances among the members other than its
+/// owner: liars fewer than the honest members that could tell can neither refuse an honest
+/// part nor keep a forged one, and a tie keeps the part.
+#[test]
+fn parts_are_refused_by_a_majority_of_the_members_that_could_tell() {
+    use Vote::{Abstain as O, Accept as A, Refuse as R};
+    let group: Vec<PeerKey> = (1..=5).map(PeerKey).collect();
+    let refused = |votes: &[[Vote; 5]]| -> Vec<u32> {
+        let ballots: Vec<(PeerKey, &[Vote])> =
+            group.iter().zip(votes).map(|(k, v)| (*k, &v[..])).collect();
+        tally(&group, &ballots)
+    };
+    // Part 0 forged by member 1, whose accomplice 2 vouches for it and refuses the honest
+    // parts; members 3 to 5 could tell.
+    let liars = [[O, R, R, R, R], [A, O, R, R, R]];
+    let honest = [[R, A, O, A, A], [R, A, A, O, A], [R, A, A, A, O]];
+    let all: Vec<[Vote; 5]> = liars.iter().chain(&honest).copied().collect();
+    assert_eq!(refused(&all), vec![0]);
+    // Only member 5 could tell: then the liars outnumber it, and decide (honest parts applied
+    // by nobody, the forged one kept). The vote cannot do better than the members that can
+    // tell; the owner is banned on the evidence either way.
+    let mut blind = all.clone();
+    blind[2] = [O; 5];
+    blind[3] = [O; 5];
+    assert_eq!(refused(&blind), vec![2, 3, 4]);
+    // A tie keeps the part; nobody able to tell keeps every part.
+    assert_eq!(refused(&[[O, R, O, O, O], [O; 5], [O, A, O, O, O]]), vec![]);
+    assert_eq!(refused(&[[O; 5]; 5]), vec![]);
+    // A ballot shorter than the group abstains on the parts it lacks.
+    let short = [(PeerKey(2), &[R][..]), (PeerKey(3), &[][..])];
+    assert_eq!(tally(&group, &short), vec![0]);
+}
+
 /// A round tried again with another group cuts its parts differently. A message of the earlier
 /// attempt that arrives late (a part of the old size, an averaged part from the old owner) is
 /// neither used nor blamed on its honest sender; the same message of this attempt is.
