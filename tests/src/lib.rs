@@ -198,6 +198,19 @@ pub fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// Where a `shoal run` process logs: with `SHOAL_TEST_LOG` set, to `dir/<name>.log` (appended
+/// to, so a restarted peer's log follows its first life), else to the test's own stderr.
+fn log_to(dir: &Path, name: &str) -> Stdio {
+    if std::env::var_os("SHOAL_TEST_LOG").is_none() {
+        return Stdio::inherit();
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("{name}.log")))
+        .map_or_else(|_| Stdio::inherit(), Stdio::from)
+}
+
 /// A `shoal run` process: one peer of a training run, observed through its output lines.
 pub struct RunProcess {
     /// A name for messages.
@@ -228,7 +241,7 @@ impl RunProcess {
             )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(log_to(dir, name))
             .spawn()
             .expect("start shoal run");
         let stdout = child.stdout.take().expect("stdout");

@@ -23,7 +23,9 @@
 //! still average over the samples they have). An owner that vanishes before sending its
 //! averaged part to everyone: the members missing it ask the others, and take it from anyone
 //! who got it; if nobody did, everyone uses zero for that part (so that part takes no gradient
-//! step, identically everywhere). A member left out of the group stays behind and re-syncs.
+//! step, identically everywhere). A member votes to refuse every part it could not get, so an
+//! owner too slow for the others (they gave its part up) drops its own part as they did rather
+//! than applying it alone. A member left out of the group stays behind and re-syncs.
 
 use super::PeerKey;
 use super::bans::Evidence;
@@ -123,6 +125,9 @@ pub struct Round {
     excluded: bool,
     expected: BTreeSet<PeerKey>,
     joined: BTreeSet<PeerKey>,
+    /// A replica this leader could catch up from went on past the round (see
+    /// [`Round::went_on`]).
+    passed: bool,
     group: Vec<PeerKey>,
     /// The attempt once the group is fixed ([`RoundKey::attempt`]).
     attempt: u64,
@@ -189,6 +194,7 @@ impl Round {
             withheld_by: None,
             excluded: false,
             expected: BTreeSet::new(),
+            passed: false,
             joined: BTreeSet::new(),
             group: Vec::new(),
             attempt: 0,
@@ -303,10 +309,13 @@ impl Round {
     /// `peer` announced that it is past this round (it finished it, or caught up, elsewhere):
     /// it will not join it. A leader stops waiting for it; a follower waiting for it to start
     /// the round fails now rather than at its deadline (it went on without this member).
-    pub fn went_on(&mut self, peer: PeerKey, now: Duration) {
+    /// `catchable`: this member could replay the round from `peer`'s record instead (see
+    /// [`Round::maybe_start`]).
+    pub fn went_on(&mut self, peer: PeerKey, catchable: bool, now: Duration) {
         match self.phase {
             Phase::Gathering if !self.joined.contains(&peer) => {
                 self.expected.remove(&peer);
+                self.passed |= catchable;
                 self.maybe_start(now, false);
             }
             Phase::AwaitStart if self.leader == Some(peer) => {
@@ -334,6 +343,13 @@ impl Round {
         }
         if !window_closed && !self.expected.iter().all(|k| self.joined.contains(k)) {
             return;
+        }
+        if self.passed && self.joined.len() == 1 {
+            // Alone while a replica it could catch up from finished the round elsewhere: a
+            // round of its own would step its parameters away from the stage's (a restarted
+            // replica behind the others did, and a re-sync had to repair it). It fails, and
+            // the retry catches up instead.
+            return self.fail("the stage's other replicas went on past this round");
         }
         self.group = self.joined.iter().copied().collect();
         let key = self.key;
@@ -787,6 +803,14 @@ impl Round {
     /// Every part is in, or given up on (`zeroed`): tell the others how this member found
     /// each part, and wait for theirs.
     fn vote(&mut self, zeroed: Vec<u32>, now: Duration) {
+        // A part this member could not get counts as refused: when most members lost a part
+        // (its owner was slow, or its messages were lost), its owner drops it too instead of
+        // applying it alone.
+        for &j in &zeroed {
+            if let Some(v) = self.votes.get_mut(j as usize) {
+                *v = Vote::Refuse;
+            }
+        }
         self.zeroed = zeroed;
         if self.group.len() == 1 {
             return self.decide();
@@ -851,15 +875,19 @@ impl Round {
             .copied()
             .filter(|k| !self.shares.contains_key(k))
             .collect();
-        // Who delivered: each member's share to this member's part, and each owner's part
-        // (one nobody could deliver was withheld by its owner).
+        // Who delivered: each member's share to this member's part, each owner's part (one
+        // nobody could deliver was withheld by its owner), and the verdicts of the members
+        // whose were waited for (keeping them would cost every round a wait for free).
         for (j, &peer) in self.group.iter().enumerate() {
             if peer != self.me {
                 let share = !left_out.contains(&peer);
                 let part = !zeroed.contains(&(j as u32));
+                let verdict = !self.heard.contains(&peer)
+                    || self.gone.contains(&peer)
+                    || self.verdicts.contains_key(&peer);
                 self.evidence.push(Evidence::Delivered {
                     peer,
-                    delivered: share && part,
+                    delivered: share && part && verdict,
                 });
             }
         }

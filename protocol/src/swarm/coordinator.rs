@@ -562,12 +562,14 @@ impl StepCoordinator {
         a: &Announcement,
         now: Duration,
     ) -> Option<Resync> {
+        let catchable = members.vouched(stage)(from) && !self.rounds.excluded_by(self.round, from);
         if self.rounds.active() {
-            self.rounds.went_on(from, a.round, now);
+            self.rounds
+                .went_on(from, a.round, catchable && !self.finished, now);
             return None;
         }
         if a.round > self.round && !self.finished {
-            if members.vouched(stage)(from) && !self.rounds.excluded_by(self.round, from) {
+            if catchable {
                 self.catch_up(out, stage, from, now);
             }
             return None;

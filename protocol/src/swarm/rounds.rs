@@ -279,12 +279,13 @@ impl Rounds {
     }
 
     /// `peer` announced it has completed `its_round` rounds: the current round, if already
-    /// behind it, no longer waits for it (see [`Round::went_on`]).
-    pub fn went_on(&mut self, peer: PeerKey, its_round: u64, now: Duration) {
+    /// behind it, no longer waits for it (see [`Round::went_on`]; `catchable`: this replica
+    /// could catch up from `peer`).
+    pub fn went_on(&mut self, peer: PeerKey, its_round: u64, catchable: bool, now: Duration) {
         if let Some(r) = self.current.as_mut()
             && its_round > r.key().index
         {
-            r.went_on(peer, now);
+            r.went_on(peer, catchable, now);
         }
     }
 

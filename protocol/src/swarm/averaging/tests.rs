@@ -15,6 +15,21 @@ fn timing() -> Timing {
 /// Runs one round among `n` members with a hand-driven network. `kill` names a member and a
 /// point at which it vanishes: it sends nothing from then on.
 fn round_with_vanishing(n: usize, kill: Option<(usize, Vanish)>) -> Vec<Option<Vec<f32>>> {
+    round_among(n, kill, None, |_, _| false)
+        .into_iter()
+        .map(|r| r.map(|r| r.averaged))
+        .collect()
+}
+
+/// [`round_with_vanishing`], where `late` names a member that contributes only from a given
+/// time on (a slow one: its share and its part come after the others gave up on them), and
+/// `withheld(sender, msg)` the messages a member keeps to itself.
+fn round_among(
+    n: usize,
+    kill: Option<(usize, Vanish)>,
+    late: Option<(usize, Duration)>,
+    withheld: impl Fn(usize, &RoundMsg) -> bool,
+) -> Vec<Option<RoundResult>> {
     let key = RoundKey { stage: 0, index: 0 };
     let keys: Vec<PeerKey> = (0..n as u64).map(PeerKey).collect();
     let t = timing();
@@ -45,15 +60,21 @@ fn round_with_vanishing(n: usize, kill: Option<(usize, Vanish)>) -> Vec<Option<V
         })
         .collect();
     let contribution = |i: usize| -> Vec<f32> { (0..len).map(|j| ((i + 1) * j) as f32).collect() };
-    let mut results: Vec<Option<Vec<f32>>> = vec![None; n];
+    let mut results: Vec<Option<RoundResult>> = vec![None; n];
     let mut now = Duration::ZERO;
     let mut averaged_sent = 0;
     let dead = |i: usize, point: Vanish, kill: Option<(usize, Vanish)>| {
         kill.is_some_and(|(k, p)| k == i && p <= point)
     };
+    let mut asked = vec![false; n];
     for _tick in 0..200 {
         let mut mail: Vec<(usize, usize, RoundMsg)> = Vec::new();
         for i in 0..n {
+            let slow = late.is_some_and(|(k, at)| k == i && now < at);
+            if asked[i] && !slow {
+                asked[i] = false;
+                rounds[i].contribute(&contribution(i), (i + 1) as f64, None, now);
+            }
             while let Some(out) = rounds[i].poll() {
                 match out {
                     RoundOut::Send(to, msg) => {
@@ -71,16 +92,16 @@ fn round_with_vanishing(n: usize, kill: Option<(usize, Vanish)>) -> Vec<Option<V
                             }
                             _ => Vanish::MidAveraged,
                         };
-                        if !dead(i, point, kill) {
+                        if !dead(i, point, kill) && !withheld(i, &msg) {
                             mail.push((i, to.0 as usize, msg));
                         }
                     }
                     RoundOut::NeedContribution => {
                         if !dead(i, Vanish::BeforeParts, kill) {
-                            rounds[i].contribute(&contribution(i), (i + 1) as f64, None, now);
+                            asked[i] = true;
                         }
                     }
-                    RoundOut::Finished(r) => results[i] = Some(r.averaged),
+                    RoundOut::Finished(r) => results[i] = Some(r),
                     RoundOut::Failed(_) | RoundOut::Evidence(_) => {}
                     RoundOut::Violation(from, what) => {
                         panic!("honest member {from:?} blamed: {what}")
@@ -99,6 +120,52 @@ fn round_with_vanishing(n: usize, kill: Option<(usize, Vanish)>) -> Vec<Option<V
         }
     }
     results
+}
+
+/// A member so slow that the others gave up on its share and on the part it owns (a replica
+/// that restarted and joined the round late did this): it still finishes the round, and the
+/// others' verdicts make it drop its own part as they did, so every member applies the same
+/// values (applying it alone left its replica apart until a re-sync).
+#[test]
+fn a_part_the_others_gave_up_on_is_dropped_by_its_owner_too() {
+    let results = round_among(3, None, Some((2, 900 * MS)), |_, _| false);
+    let results: Vec<Vec<f32>> = results
+        .into_iter()
+        .map(|r| r.expect("finished").averaged)
+        .collect();
+    assert!(results.iter().all(|r| *r == results[0]), "{results:?}");
+    let dropped = (0..3).filter(|&j| {
+        let part = &results[0][part_range(37, 3, j)];
+        !part.is_empty() && part.iter().all(|v| *v == 0.0)
+    });
+    assert_eq!(dropped.count(), 1, "{:?}", results[0]);
+}
+
+/// A member that sends its share and its part but keeps its verdicts: the others apply the
+/// round after half a round timeout, and count it as work not delivered (three such rounds
+/// in a row accuse it of withholding).
+#[test]
+fn a_member_that_keeps_its_verdicts_has_not_delivered() {
+    let results = round_among(3, None, None, |from, msg| {
+        from == 2 && matches!(msg, RoundMsg::Verdict { .. })
+    });
+    for (i, r) in results[..2].iter().enumerate() {
+        let r = r.as_ref().expect("finished");
+        assert!(r.refused.is_empty() && r.zeroed.is_empty());
+        let delivered = |peer| {
+            r.evidence.iter().find_map(|e| match *e {
+                Evidence::Delivered { peer: p, delivered } if p == peer => Some(delivered),
+                _ => None,
+            })
+        };
+        assert_eq!(delivered(PeerKey(2)), Some(false), "{:?}", r.evidence);
+        assert_eq!(
+            delivered(PeerKey(1 - i as u64)),
+            Some(true),
+            "{:?}",
+            r.evidence
+        );
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

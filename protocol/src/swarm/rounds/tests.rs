@@ -387,12 +387,12 @@ fn a_round_run_without_this_replica_is_not_waited_for() {
     };
     join(&mut r, 3);
     assert!(r.poll().is_none(), "1 is waited for");
-    r.went_on(PeerKey(1), 0, 4 * MS);
+    r.went_on(PeerKey(1), 0, true, 4 * MS);
     assert!(
         r.poll().is_none(),
         "a replica still at round 0 is waited for"
     );
-    r.went_on(PeerKey(1), 1, 4 * MS);
+    r.went_on(PeerKey(1), 1, true, 4 * MS);
     let starts: Vec<_> = std::iter::from_fn(|| r.poll()).collect();
     let started_without_1 = |(_, o): &(RoundKey, RoundOut)| {
         matches!(o, RoundOut::Send(PeerKey(3), RoundMsg::Start { group })
@@ -403,9 +403,34 @@ fn a_round_run_without_this_replica_is_not_waited_for() {
     let mut f = rounds(5);
     f.begin(key(2), &[PeerKey(1)], &[PeerKey(1)], 8, MS);
     sent(&mut f);
-    f.went_on(PeerKey(1), 3, 2 * MS);
+    f.went_on(PeerKey(1), 3, true, 2 * MS);
     let out: Vec<_> = std::iter::from_fn(|| f.poll()).map(|(_, o)| o).collect();
     assert!(matches!(out.last(), Some(RoundOut::Failed(_))), "{out:?}");
+}
+
+/// A leader left alone because the replica it waited for went on past the round does not run
+/// the round by itself (its parameters would step away from the stage's): it fails, and the
+/// retry catches up. A replica it could not catch up from (not vouched for, or one that left
+/// it out) does not stop it.
+#[test]
+fn a_leader_left_behind_fails_rather_than_averaging_alone() {
+    for (catchable, fails) in [(true, true), (false, false)] {
+        let mut r = rounds(5);
+        r.begin(key(4), &[], &[PeerKey(1)], 8, MS);
+        sent(&mut r);
+        r.went_on(PeerKey(1), 5, catchable, 2 * MS);
+        let out: Vec<_> = std::iter::from_fn(|| r.poll()).map(|(_, o)| o).collect();
+        assert_eq!(
+            matches!(out.last(), Some(RoundOut::Failed(_))),
+            fails,
+            "{out:?}"
+        );
+        assert_eq!(
+            out.iter().any(|o| matches!(o, RoundOut::NeedContribution)),
+            !fails,
+            "{out:?}"
+        );
+    }
 }
 
 #[test]

@@ -404,8 +404,9 @@ fn an_attacker_posing_as_a_replica_changes_nothing() {
     // with one of them (its start leaves the other out, which then averages alone) splits
     // them, and in the runs that end split no re-sync followed (the hash vote settles one
     // against one only once every serving replica it counts has announced the round). Seeds
-    // 1-40: 3 runs end split, 2 before the vote on the parts changed the rounds' timing
-    // (README, "What does not hold yet").
+    // 1-40: 2 runs end split (4 and 21; in allreduce with 24 steps, 1: seed 20), as many as
+    // before the vote on the parts changed the rounds' timing (README, "What does not hold
+    // yet").
     trains_on_under_attack(SyncMode::diloco(2), 8, 4, 5, Some(1));
 }
 
