@@ -272,7 +272,7 @@ pub enum Vote {
     /// This member cannot tell (no samples this round, its share is mostly noise, or it owns
     /// the part).
     Abstain,
-    /// The part points against this member's own share.
+    /// The part points against this member's own share, or never reached this member.
     Refuse,
 }
 
