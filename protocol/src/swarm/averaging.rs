@@ -647,7 +647,7 @@ impl Round {
                             self.heard.insert(from);
                         }
                         if Some(j) != self.my_index() && self.own_samples > 0.0 {
-                            self.votes[j] = vote(robust::cosine(own, &v), self.forge_part);
+                            self.votes[j] = vote::judge(robust::cosine(own, &v), self.forge_part);
                         }
                         self.averaged[j] = Some(v);
                         if self.loss.is_none() {
@@ -665,21 +665,7 @@ impl Round {
             (
                 Phase::Exchanging | Phase::Filling | Phase::Voting,
                 RoundMsg::Verdict { votes, .. },
-            ) => {
-                if !self.group.contains(&from)
-                    || from == self.me
-                    || votes.len() != self.group.len()
-                    || self.verdicts.contains_key(&from)
-                {
-                    self.violation(
-                        from,
-                        "a verdict from outside the group, twice, or not one vote per part",
-                    );
-                    return;
-                }
-                self.verdicts.insert(from, votes);
-                self.maybe_decide();
-            }
+            ) => self.on_verdict(from, votes),
             (Phase::Filling, RoundMsg::Missing { part, .. }) if self.group.contains(&from) => {
                 self.missing_answers.entry(part).or_default().insert(from);
                 self.maybe_give_up_fill(now);
@@ -800,67 +786,6 @@ impl Round {
         }
     }
 
-    /// Every part is in, or given up on (`zeroed`): tell the others how this member found
-    /// each part, and wait for theirs.
-    fn vote(&mut self, zeroed: Vec<u32>, now: Duration) {
-        // A part this member could not get counts as refused: when most members lost a part
-        // (its owner was slow, or its messages were lost), its owner drops it too instead of
-        // applying it alone.
-        for &j in &zeroed {
-            if let Some(v) = self.votes.get_mut(j as usize) {
-                *v = Vote::Refuse;
-            }
-        }
-        self.zeroed = zeroed;
-        if self.group.len() == 1 {
-            return self.decide();
-        }
-        for &k in &self.group {
-            if k != self.me && !self.gone.contains(&k) {
-                self.out.push_back(RoundOut::Send(
-                    k,
-                    RoundMsg::Verdict {
-                        attempt: self.attempt,
-                        votes: self.votes.clone(),
-                    },
-                ));
-            }
-        }
-        self.phase = Phase::Voting;
-        self.deadline = Some(now + self.timing.round_timeout / 2);
-        self.maybe_decide();
-    }
-
-    fn maybe_decide(&mut self) {
-        let heard_all = self
-            .heard
-            .iter()
-            .all(|k| self.gone.contains(k) || self.verdicts.contains_key(k));
-        if self.phase == Phase::Voting && heard_all {
-            self.decide();
-        }
-    }
-
-    /// Apply the votes that came: a part with more refusals than acceptances among the
-    /// members other than its owner is zero.
-    fn decide(&mut self) {
-        let me = self.me;
-        let ballots: Vec<(PeerKey, &[Vote])> = std::iter::once((me, &self.votes[..]))
-            .chain(self.verdicts.iter().map(|(k, v)| (*k, &v[..])))
-            .collect();
-        let refused: Vec<u32> = tally(&self.group, &ballots)
-            .into_iter()
-            .filter(|j| !self.zeroed.contains(j))
-            .collect();
-        for &j in &refused {
-            if let Some(Some(part)) = self.averaged.get_mut(j as usize) {
-                part.iter_mut().for_each(|v| *v = 0.0);
-            }
-        }
-        let zeroed = std::mem::take(&mut self.zeroed);
-        self.finish(zeroed, refused);
-    }
-
     fn finish(&mut self, zeroed: Vec<u32>, refused: Vec<u32>) {
         let mut averaged = Vec::with_capacity(self.len);
         for (j, p) in self.averaged.iter().enumerate() {
@@ -882,12 +807,9 @@ impl Round {
             if peer != self.me {
                 let share = !left_out.contains(&peer);
                 let part = !zeroed.contains(&(j as u32));
-                let verdict = !self.heard.contains(&peer)
-                    || self.gone.contains(&peer)
-                    || self.verdicts.contains_key(&peer);
                 self.evidence.push(Evidence::Delivered {
                     peer,
-                    delivered: share && part && verdict,
+                    delivered: share && part && !self.verdict_missing(peer),
                 });
             }
         }
@@ -926,55 +848,6 @@ impl Round {
         self.out.push_back(RoundOut::Failed(why));
     }
 
-    /// Owners that went quiet (or are gone): ask every other member still there for their
-    /// parts.
-    fn start_filling(&mut self, now: Duration) {
-        let me = self.my_index();
-        for j in 0..self.group.len() {
-            if self.averaged[j].is_some() {
-                continue;
-            }
-            for (i, &k) in self.group.iter().enumerate() {
-                if i != j && Some(i) != me && !self.gone.contains(&k) {
-                    self.out.push_back(RoundOut::Send(
-                        k,
-                        RoundMsg::Request {
-                            attempt: self.attempt,
-                            part: j as u32,
-                        },
-                    ));
-                }
-            }
-        }
-        self.phase = Phase::Filling;
-        self.deadline = Some(now + self.timing.round_timeout / 2);
-        self.maybe_give_up_fill(now);
-    }
-
-    fn maybe_give_up_fill(&mut self, now: Duration) {
-        if self.phase != Phase::Filling {
-            return;
-        }
-        let me = self.my_index();
-        let all_said_missing = |j: usize| {
-            let asked: Vec<PeerKey> = self
-                .group
-                .iter()
-                .enumerate()
-                .filter(|(i, k)| *i != j && Some(*i) != me && !self.gone.contains(k))
-                .map(|(_, k)| *k)
-                .collect();
-            let answers = self.missing_answers.get(&(j as u32));
-            asked.iter().all(|k| answers.is_some_and(|a| a.contains(k)))
-        };
-        let missing: Vec<usize> = (0..self.group.len())
-            .filter(|j| self.averaged[*j].is_none())
-            .collect();
-        if missing.iter().all(|j| all_said_missing(*j)) {
-            self.vote(missing.iter().map(|j| *j as u32).collect(), now);
-        }
-    }
-
     /// Time passed.
     pub fn handle_timeout(&mut self, now: Duration) {
         if self.deadline.is_none_or(|d| now < d) {
@@ -1008,39 +881,7 @@ impl Round {
     }
 }
 
-/// The parts of `group` the `ballots` (each member's votes, in part order) refuse: more
-/// refusals than acceptances among the members other than the part's owner (a tie keeps the
-/// part).
-fn tally(group: &[PeerKey], ballots: &[(PeerKey, &[Vote])]) -> Vec<u32> {
-    (0..group.len())
-        .filter(|&j| {
-            let count = |want: Vote| {
-                ballots
-                    .iter()
-                    .filter(|(k, votes)| *k != group[j] && votes.get(j) == Some(&want))
-                    .count()
-            };
-            count(Vote::Refuse) > count(Vote::Accept)
-        })
-        .map(|j| j as u32)
-        .collect()
-}
-
-/// How a member finds a part from the [`robust::cosine`] between its own share and it (None:
-/// either is zero). A scripted forger votes the other way: for the forged parts, against the
-/// honest ones.
-fn vote(cosine: Option<f64>, inverted: bool) -> Vote {
-    let found = match cosine {
-        Some(c) if c > robust::VOTE_COSINE => Vote::Accept,
-        Some(c) if c < -robust::VOTE_COSINE => Vote::Refuse,
-        _ => Vote::Abstain,
-    };
-    match (found, inverted) {
-        (Vote::Accept, true) | (Vote::Abstain, true) => Vote::Refuse,
-        (Vote::Refuse, true) => Vote::Accept,
-        (found, false) => found,
-    }
-}
-
+mod filling;
 #[cfg(test)]
 mod tests;
+mod vote;

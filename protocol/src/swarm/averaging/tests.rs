@@ -1,5 +1,6 @@
 //! Rounds among in-process members: results, refusals and members vanishing.
 
+use super::vote::tally;
 use super::*;
 
 const MS: Duration = Duration::from_millis(1);

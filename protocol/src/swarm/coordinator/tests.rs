@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::swarm::fixtures::{self, at_round, sends};
+use crate::swarm::message::Announcement;
 
 const MS: Duration = Duration::from_millis(1);
 const ME: PeerKey = PeerKey(5);

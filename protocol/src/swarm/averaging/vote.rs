@@ -1,0 +1,128 @@
+//! The members' vote on the averaged parts of a round (see the module above): each member's
+//! verdicts, the wait for the others', and the tally that refuses a part.
+
+use super::{Phase, Round, RoundMsg, RoundOut};
+use crate::swarm::PeerKey;
+use crate::swarm::message::Vote;
+use crate::swarm::robust;
+use std::time::Duration;
+
+impl Round {
+    /// Every part is in, or given up on (`zeroed`): tell the others how this member found
+    /// each part, and wait for theirs.
+    pub(super) fn vote(&mut self, zeroed: Vec<u32>, now: Duration) {
+        // A part this member could not get counts as refused: when most members lost a part
+        // (its owner was slow, or its messages were lost), its owner drops it too instead of
+        // applying it alone.
+        for &j in &zeroed {
+            if let Some(v) = self.votes.get_mut(j as usize) {
+                *v = Vote::Refuse;
+            }
+        }
+        self.zeroed = zeroed;
+        if self.group.len() == 1 {
+            return self.decide();
+        }
+        for &k in &self.group {
+            if k != self.me && !self.gone.contains(&k) {
+                self.out.push_back(RoundOut::Send(
+                    k,
+                    RoundMsg::Verdict {
+                        attempt: self.attempt,
+                        votes: self.votes.clone(),
+                    },
+                ));
+            }
+        }
+        self.phase = Phase::Voting;
+        self.deadline = Some(now + self.timing.round_timeout / 2);
+        self.maybe_decide();
+    }
+
+    /// Whether this member waits (or waited in vain) for `peer`'s verdict: it heard from
+    /// `peer` this attempt, `peer` is still there, and no verdict came.
+    pub(super) fn verdict_missing(&self, peer: PeerKey) -> bool {
+        self.heard.contains(&peer)
+            && !self.gone.contains(&peer)
+            && !self.verdicts.contains_key(&peer)
+    }
+
+    pub(super) fn maybe_decide(&mut self) {
+        let heard_all = !self.heard.iter().any(|k| self.verdict_missing(*k));
+        if self.phase == Phase::Voting && heard_all {
+            self.decide();
+        }
+    }
+
+    /// Apply the votes that came: a part with more refusals than acceptances among the
+    /// members other than its owner is zero.
+    pub(super) fn decide(&mut self) {
+        let me = self.me;
+        let ballots: Vec<(PeerKey, &[Vote])> = std::iter::once((me, &self.votes[..]))
+            .chain(self.verdicts.iter().map(|(k, v)| (*k, &v[..])))
+            .collect();
+        let refused: Vec<u32> = tally(&self.group, &ballots)
+            .into_iter()
+            .filter(|j| !self.zeroed.contains(j))
+            .collect();
+        for &j in &refused {
+            if let Some(Some(part)) = self.averaged.get_mut(j as usize) {
+                part.iter_mut().for_each(|v| *v = 0.0);
+            }
+        }
+        let zeroed = std::mem::take(&mut self.zeroed);
+        self.finish(zeroed, refused);
+    }
+
+    /// `from`'s verdict: only from a member of the group, once per attempt, with exactly one
+    /// vote per part.
+    pub(super) fn on_verdict(&mut self, from: PeerKey, votes: Vec<Vote>) {
+        if !self.group.contains(&from)
+            || from == self.me
+            || votes.len() != self.group.len()
+            || self.verdicts.contains_key(&from)
+        {
+            self.violation(
+                from,
+                "a verdict from outside the group, twice, or not one vote per part",
+            );
+            return;
+        }
+        self.verdicts.insert(from, votes);
+        self.maybe_decide();
+    }
+}
+
+/// The parts of `group` the `ballots` (each member's votes, in part order) refuse: more
+/// refusals than acceptances among the members other than the part's owner (a tie keeps the
+/// part).
+pub(super) fn tally(group: &[PeerKey], ballots: &[(PeerKey, &[Vote])]) -> Vec<u32> {
+    (0..group.len())
+        .filter(|&j| {
+            let count = |want: Vote| {
+                ballots
+                    .iter()
+                    .filter(|(k, votes)| *k != group[j] && votes.get(j) == Some(&want))
+                    .count()
+            };
+            count(Vote::Refuse) > count(Vote::Accept)
+        })
+        .map(|j| j as u32)
+        .collect()
+}
+
+/// How a member finds a part from the [`robust::cosine`] between its own share and it (None:
+/// either is zero). A scripted forger votes the other way: for the forged parts, against the
+/// honest ones.
+pub(super) fn judge(cosine: Option<f64>, inverted: bool) -> Vote {
+    let found = match cosine {
+        Some(c) if c > robust::VOTE_COSINE => Vote::Accept,
+        Some(c) if c < -robust::VOTE_COSINE => Vote::Refuse,
+        _ => Vote::Abstain,
+    };
+    match (found, inverted) {
+        (Vote::Accept, true) | (Vote::Abstain, true) => Vote::Refuse,
+        (Vote::Refuse, true) => Vote::Accept,
+        (found, false) => found,
+    }
+}

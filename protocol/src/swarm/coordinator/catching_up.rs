@@ -1,0 +1,146 @@
+//! How a replica of the stage gets back to its stage's parameters: replaying a round it missed
+//! from a replica ahead of it (a catch-up), and the hash vote on the replicas' announcements
+//! (see [`agreement`](super::super::agreement) for the rules).
+
+use super::StepCoordinator;
+use crate::swarm::PeerKey;
+use crate::swarm::agreement::{Resync, outvoted};
+use crate::swarm::membership::Membership;
+use crate::swarm::message::Announcement;
+use crate::swarm::outbox::Outbox;
+use std::time::Duration;
+
+impl StepCoordinator {
+    /// A replica of `stage` that completed more rounds than this one.
+    pub(super) fn replica_ahead(&self, stage: u32, members: &Membership) -> Option<PeerKey> {
+        if self.finished {
+            return None;
+        }
+        let vouched = members.vouched(stage);
+        members
+            .iter()
+            .filter(|(k, m)| m.serves(stage) && self.catchable(**k, m.announcement.round, &vouched))
+            .max_by_key(|(_, m)| m.announcement.round)
+            .map(|(k, _)| *k)
+    }
+
+    /// Whether this replica could replay its current round from `peer`, which completed
+    /// `its_round` rounds: it is ahead, vouched for, and did not leave this replica out of
+    /// the round.
+    fn catchable(&self, peer: PeerKey, its_round: u64, vouched: &impl Fn(PeerKey) -> bool) -> bool {
+        its_round > self.round && vouched(peer) && !self.rounds.excluded_by(self.round, peer)
+    }
+
+    /// A replica of this replica's stage announced itself (serving, no round under way
+    /// here). One a round ahead is caught up with; one at the same round with other
+    /// parameters calls the hash vote (see [`outvoted`]). Both go by the replicas whose work
+    /// this replica checked ([`Membership::is_checked`]): a catch-up is asked of one of them
+    /// where there is one (an identity that only announces a later round never answers).
+    pub fn on_replica_announced(
+        &mut self,
+        out: &mut Outbox,
+        stage: u32,
+        members: &Membership,
+        from: PeerKey,
+        a: &Announcement,
+        now: Duration,
+    ) -> Option<Resync> {
+        // Only a replica ahead matters (the active round's index is this replica's round), and
+        // `vouched` scans the membership: not worth doing for every announcement.
+        let catchable =
+            a.round > self.round && self.catchable(from, a.round, &members.vouched(stage));
+        if self.rounds.active() {
+            self.rounds
+                .went_on(from, a.round, catchable && !self.finished, now);
+            return None;
+        }
+        if a.round > self.round && !self.finished {
+            if catchable {
+                self.catch_up(out, stage, from, now);
+            }
+            return None;
+        }
+        let (theirs, mine) = (a.params_hash?, self.params_hash?);
+        if a.round != self.round || theirs == mine {
+            return None;
+        }
+        let me = self.settings.me;
+        let checked = |k| members.is_checked(k);
+        outvoted(members, me, stage, self.round, from, theirs, mine, checked).then_some(Resync {
+            from,
+            reason: "parameters differ from the stage's other replicas",
+            elsewhere: false,
+        })
+    }
+
+    /// Behind a replica of this stage: replay the round it missed from that replica's
+    /// record (cheap, and lands on the same parameters); a full state transfer if the
+    /// replica no longer has it.
+    pub(super) fn catch_up(&mut self, out: &mut Outbox, stage: u32, from: PeerKey, now: Duration) {
+        if self.catch_up.asking() || self.rounds.active() || self.applying_round {
+            return;
+        }
+        let deadline = now + self.settings.timing.round_timeout;
+        self.catch_up.ask(out, from, stage, self.round, deadline);
+    }
+
+    /// Another replica asks for the result of `round` (see [`CatchUp::answer`]).
+    pub fn answer_catch_up(&mut self, out: &mut Outbox, to: PeerKey, stage: u32, round: u64) {
+        self.catch_up.answer(out, to, stage, round);
+    }
+
+    /// The answer to this replica's catch-up request: apply it as the round's result. An
+    /// answer that was not asked for is ignored; an empty or malformed one (or one that comes
+    /// while a round runs) means downloading the state from that replica.
+    #[allow(clippy::too_many_arguments)]
+    pub fn on_catch_up(
+        &mut self,
+        out: &mut Outbox,
+        from: PeerKey,
+        my_stage: Option<u32>,
+        stage: u32,
+        round: u64,
+        samples: f64,
+        data: &[u8],
+    ) -> Option<Resync> {
+        if my_stage != Some(stage) || round != self.round {
+            return None;
+        }
+        let len = self.params(stage);
+        let values = match self
+            .catch_up
+            .on_answer(out, from, round, samples, data, len)?
+        {
+            Ok(values) if !self.rounds.active() => values,
+            Ok(_) => {
+                return Some(Resync {
+                    from,
+                    reason: "a replica of this stage is ahead",
+                    elsewhere: false,
+                });
+            }
+            Err(resync) => return Some(resync),
+        };
+        self.applying_round = true;
+        self.round_group = 0;
+        self.round_samples = samples;
+        self.catch_up.remember(round, &values, samples);
+        out.compute(self.apply(values));
+        None
+    }
+
+    /// After a step: a replica of `stage` that is ahead is caught up with.
+    pub fn catch_up_if_behind(
+        &mut self,
+        out: &mut Outbox,
+        stage: Option<u32>,
+        members: &Membership,
+        now: Duration,
+    ) {
+        if let Some(stage) = stage {
+            if let Some(ahead) = self.replica_ahead(stage, members) {
+                self.catch_up(out, stage, ahead, now);
+            }
+        }
+    }
+}
