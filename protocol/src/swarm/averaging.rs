@@ -15,7 +15,8 @@
 //! [`RoundMsg::Verdict`] to all): accept when the part points along its own share of it,
 //! refuse when against, abstain when it cannot tell ([`robust::VOTE_COSINE`]). A part with
 //! more refusals than acceptances among the members other than its owner is applied by nobody
-//! (zero there, as for a lost part). Members decide on the votes that reached them; liars
+//! (zero there, as for a lost part). Members decide on the votes that reached them, as soon
+//! as those settle every part whatever the missing ones would say; liars
 //! fewer than the honest members that could tell cannot change the outcome, and where members
 //! still decide differently the hash vote after the round re-syncs the minority.
 //!
@@ -144,6 +145,8 @@ pub struct Round {
     /// Members that sent this member their share or their averaged part this attempt: those
     /// whose verdicts are waited for (one silent so far is not waited for again).
     heard: BTreeSet<PeerKey>,
+    /// The vote was decided at its deadline, without the verdicts still missing.
+    verdicts_waited_out: bool,
     /// Parts nobody could deliver, known before the vote.
     zeroed: Vec<u32>,
     /// Averaged parts as encoded, to answer requests.
@@ -206,6 +209,7 @@ impl Round {
             votes: Vec::new(),
             verdicts: BTreeMap::new(),
             heard: BTreeSet::new(),
+            verdicts_waited_out: false,
             zeroed: Vec::new(),
             encoded: BTreeMap::new(),
             own_samples: 0.0,
@@ -389,6 +393,7 @@ impl Round {
         self.votes = vec![Vote::Abstain; self.group.len()];
         self.verdicts.clear();
         self.heard.clear();
+        self.verdicts_waited_out = false;
         self.zeroed.clear();
         self.out.push_back(RoundOut::NeedContribution);
     }
@@ -524,7 +529,8 @@ impl Round {
                     // every retry of the round. Its result is not caught up from either.
                     self.withheld_by = self.leader;
                     self.excluded = true;
-                    self.misled();
+                    self.out
+                        .push_back(RoundOut::Evidence(Evidence::LeftOut { peer: from }));
                     self.fail("the round's group left this replica out");
                     return;
                 }
@@ -802,14 +808,17 @@ impl Round {
             .collect();
         // Who delivered: each member's share to this member's part, each owner's part (one
         // nobody could deliver was withheld by its owner), and the verdicts of the members
-        // whose were waited for (keeping them would cost every round a wait for free).
+        // whose were waited for in vain (keeping them would cost every round a wait for
+        // free; one not needed to settle the vote cost nothing).
         for (j, &peer) in self.group.iter().enumerate() {
             if peer != self.me {
                 let share = !left_out.contains(&peer);
                 let part = !zeroed.contains(&(j as u32));
                 self.evidence.push(Evidence::Delivered {
                     peer,
-                    delivered: share && part && !self.verdict_missing(peer),
+                    delivered: share
+                        && part
+                        && !(self.verdicts_waited_out && self.verdict_missing(peer)),
                 });
             }
         }
@@ -875,7 +884,10 @@ impl Round {
                     .collect();
                 self.vote(zeroed, now);
             }
-            Phase::Voting => self.decide(),
+            Phase::Voting => {
+                self.verdicts_waited_out = true;
+                self.decide();
+            }
             Phase::AwaitContribution | Phase::Done => self.deadline = None,
         }
     }

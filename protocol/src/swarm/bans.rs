@@ -109,6 +109,14 @@ pub enum Evidence {
         /// Started with this peer (false: it never started, or left this peer out).
         included: bool,
     },
+    /// The member led a round and sent this peer a group without it. No honest leader does:
+    /// its group is every replica that joined, and it sends the group to them alone. A leader
+    /// that crashed or was slow never sends one, so this, unlike a start that never came, is
+    /// accused at once and for good.
+    LeftOut {
+        /// The leader.
+        peer: PeerKey,
+    },
 }
 
 impl Evidence {
@@ -118,7 +126,8 @@ impl Evidence {
             Evidence::Share { peer, .. }
             | Evidence::Part { peer, .. }
             | Evidence::Delivered { peer, .. }
-            | Evidence::Led { peer, .. } => peer,
+            | Evidence::Led { peer, .. }
+            | Evidence::LeftOut { peer } => peer,
         }
     }
 }
@@ -134,6 +143,8 @@ struct Record {
     delivered: VecDeque<bool>,
     /// Whether the rounds it led included this peer (last [`LED_WINDOW`]).
     led: VecDeque<bool>,
+    /// It led a round and told this peer it was left out ([`Evidence::LeftOut`]).
+    left_out: bool,
 }
 
 impl Record {
@@ -164,8 +175,9 @@ impl Record {
             .map(|_| Misconduct::CorruptedParts);
         let withheld = self.delivered.len() == DELIVERY_WINDOW && self.delivered.iter().all(|d| !d);
         let misled = self.led.len() == LED_WINDOW && self.led.iter().all(|i| !i);
-        shares
-            .flatten()
+        self.left_out
+            .then_some(Misconduct::LeftReplicasOut)
+            .or(shares.flatten())
             .or(parts)
             .or((withheld || misled).then_some(Misconduct::WithheldWork))
     }
@@ -281,6 +293,7 @@ impl Bans {
                     remember(&mut r.delivered, delivered, DELIVERY_WINDOW);
                 }
                 Evidence::Led { included, .. } => remember(&mut r.led, included, LED_WINDOW),
+                Evidence::LeftOut { .. } => r.left_out = true,
             }
             if self.is_banned(peer) {
                 continue;
@@ -587,6 +600,13 @@ mod tests {
         assert!(b.accusations().is_empty());
         b.observe(&[led(false)], Duration::ZERO);
         assert_eq!(b.accusations()[0].why, Misconduct::WithheldWork);
+        // One that told it so, at once and whatever it does after.
+        let mut b = Bans::default();
+        b.observe(&[Evidence::LeftOut { peer: bad }], Duration::ZERO);
+        for i in [true, true, true] {
+            b.observe(&[led(i), delivered(true)], Duration::ZERO);
+        }
+        assert_eq!(b.accusations()[0].why, Misconduct::LeftReplicasOut);
     }
 
     /// Rounds in which replicas 2..=5 gave honest shares and 6 opposing ones, as replica 1

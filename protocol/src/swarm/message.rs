@@ -103,6 +103,8 @@ pub enum Misconduct {
     /// It kept its shares or parts from the stage, or led rounds that never started or left
     /// the others out, round after round, while announcing itself as a replica.
     WithheldWork,
+    /// It led a round and sent the replicas that joined it a group without them.
+    LeftReplicasOut,
 }
 
 impl std::fmt::Display for Misconduct {
@@ -119,6 +121,9 @@ impl std::fmt::Display for Misconduct {
             }
             Misconduct::WithheldWork => {
                 "it withheld its shares or parts, or led rounds without the others, round after round"
+            }
+            Misconduct::LeftReplicasOut => {
+                "it led a round and told the replicas that joined it they were left out"
             }
         })
     }

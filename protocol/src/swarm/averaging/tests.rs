@@ -18,19 +18,20 @@ fn timing() -> Timing {
 fn round_with_vanishing(n: usize, kill: Option<(usize, Vanish)>) -> Vec<Option<Vec<f32>>> {
     round_among(n, kill, None, |_, _| false)
         .into_iter()
-        .map(|r| r.map(|r| r.averaged))
+        .map(|r| r.map(|(r, _)| r.averaged))
         .collect()
 }
 
 /// [`round_with_vanishing`], where `late` names a member that contributes only from a given
 /// time on (a slow one: its share and its part come after the others gave up on them), and
-/// `withheld(sender, msg)` the messages a member keeps to itself.
+/// `withheld(sender, msg)` the messages a member keeps to itself. Each member's result comes
+/// with the time it finished.
 fn round_among(
     n: usize,
     kill: Option<(usize, Vanish)>,
     late: Option<(usize, Duration)>,
     withheld: impl Fn(usize, &RoundMsg) -> bool,
-) -> Vec<Option<RoundResult>> {
+) -> Vec<Option<(RoundResult, Duration)>> {
     let key = RoundKey { stage: 0, index: 0 };
     let keys: Vec<PeerKey> = (0..n as u64).map(PeerKey).collect();
     let t = timing();
@@ -61,7 +62,7 @@ fn round_among(
         })
         .collect();
     let contribution = |i: usize| -> Vec<f32> { (0..len).map(|j| ((i + 1) * j) as f32).collect() };
-    let mut results: Vec<Option<RoundResult>> = vec![None; n];
+    let mut results: Vec<Option<(RoundResult, Duration)>> = vec![None; n];
     let mut now = Duration::ZERO;
     let mut averaged_sent = 0;
     let dead = |i: usize, point: Vanish, kill: Option<(usize, Vanish)>| {
@@ -102,7 +103,7 @@ fn round_among(
                             asked[i] = true;
                         }
                     }
-                    RoundOut::Finished(r) => results[i] = Some(r),
+                    RoundOut::Finished(r) => results[i] = Some((r, now)),
                     RoundOut::Failed(_) | RoundOut::Evidence(_) => {}
                     RoundOut::Violation(from, what) => {
                         panic!("honest member {from:?} blamed: {what}")
@@ -132,7 +133,7 @@ fn a_part_the_others_gave_up_on_is_dropped_by_its_owner_too() {
     let results = round_among(3, None, Some((2, 900 * MS)), |_, _| false);
     let results: Vec<Vec<f32>> = results
         .into_iter()
-        .map(|r| r.expect("finished").averaged)
+        .map(|r| r.expect("finished").0.averaged)
         .collect();
     assert!(results.iter().all(|r| *r == results[0]), "{results:?}");
     let dropped = (0..3).filter(|&j| {
@@ -142,30 +143,46 @@ fn a_part_the_others_gave_up_on_is_dropped_by_its_owner_too() {
     assert_eq!(dropped.count(), 1, "{:?}", results[0]);
 }
 
-/// A member that sends its share and its part but keeps its verdicts: the others apply the
-/// round after half a round timeout, and count it as work not delivered (three such rounds
+/// Whether `r`'s evidence says `peer` delivered its work.
+fn delivered(r: &RoundResult, peer: PeerKey) -> Option<bool> {
+    r.evidence.iter().find_map(|e| match *e {
+        Evidence::Delivered { peer: p, delivered } if p == peer => Some(delivered),
+        _ => None,
+    })
+}
+
+/// A member that sends its share and its part but keeps its verdicts, where its verdict is
+/// needed (two members: nobody else can vouch for the other's part): the other applies the
+/// round after half a round timeout, and counts it as work not delivered (three such rounds
 /// in a row accuse it of withholding).
 #[test]
-fn a_member_that_keeps_its_verdicts_has_not_delivered() {
+fn a_member_that_keeps_a_needed_verdict_has_not_delivered() {
+    let results = round_among(2, None, None, |from, msg| {
+        from == 1 && matches!(msg, RoundMsg::Verdict { .. })
+    });
+    let (r, at) = results[0].as_ref().expect("finished");
+    assert!(r.refused.is_empty() && r.zeroed.is_empty());
+    assert!(*at >= timing().round_timeout / 2, "decided at {at:?}");
+    assert_eq!(delivered(r, PeerKey(1)), Some(false), "{:?}", r.evidence);
+}
+
+/// Where the verdicts that came settle every part whatever the missing one would say (three
+/// members, two agreeing), a member keeping its verdicts is not waited for: the others
+/// apply the round at once, and its silence cost nothing, so it is not held against it.
+#[test]
+fn a_vote_settled_without_a_member_does_not_wait_for_it() {
     let results = round_among(3, None, None, |from, msg| {
         from == 2 && matches!(msg, RoundMsg::Verdict { .. })
     });
-    for (i, r) in results[..2].iter().enumerate() {
-        let r = r.as_ref().expect("finished");
+    let waited = round_among(3, None, None, |_, _| false);
+    for i in 0..2 {
+        let (r, at) = results[i].as_ref().expect("finished");
         assert!(r.refused.is_empty() && r.zeroed.is_empty());
-        let delivered = |peer| {
-            r.evidence.iter().find_map(|e| match *e {
-                Evidence::Delivered { peer: p, delivered } if p == peer => Some(delivered),
-                _ => None,
-            })
-        };
-        assert_eq!(delivered(PeerKey(2)), Some(false), "{:?}", r.evidence);
-        assert_eq!(
-            delivered(PeerKey(1 - i as u64)),
-            Some(true),
-            "{:?}",
-            r.evidence
-        );
+        assert_eq!(*at, waited[i].as_ref().expect("finished").1);
+        assert!(*at < timing().round_timeout / 2, "decided at {at:?}");
+        for peer in [PeerKey(1 - i as u64), PeerKey(2)] {
+            assert_eq!(delivered(r, peer), Some(true), "{:?}", r.evidence);
+        }
     }
 }
 

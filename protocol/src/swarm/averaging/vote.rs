@@ -47,21 +47,44 @@ impl Round {
             && !self.verdicts.contains_key(&peer)
     }
 
+    /// Decide once every member heard from has voted, or as soon as the verdicts still
+    /// missing could not change the outcome: the wait is then the time to the verdicts that
+    /// settle it, not to the slowest member's.
     pub(super) fn maybe_decide(&mut self) {
         let heard_all = !self.heard.iter().any(|k| self.verdict_missing(*k));
-        if self.phase == Phase::Voting && heard_all {
+        if self.phase == Phase::Voting && (heard_all || self.settled()) {
             self.decide();
         }
+    }
+
+    fn ballots(&self) -> Vec<(PeerKey, &[Vote])> {
+        std::iter::once((self.me, &self.votes[..]))
+            .chain(self.verdicts.iter().map(|(k, v)| (*k, &v[..])))
+            .collect()
+    }
+
+    /// Whether every part's fate is fixed whatever the members not yet heard vote (each
+    /// counted as able to vote either way): the decision is then the one every verdict
+    /// would give.
+    fn settled(&self) -> bool {
+        let ballots = self.ballots();
+        let pending: Vec<PeerKey> = self
+            .group
+            .iter()
+            .copied()
+            .filter(|k| *k != self.me && !self.gone.contains(k) && !self.verdicts.contains_key(k))
+            .collect();
+        (0..self.group.len()).all(|j| {
+            let open = pending.iter().filter(|k| **k != self.group[j]).count();
+            let (accept, refuse) = count(&self.group, &ballots, j);
+            self.zeroed.contains(&(j as u32)) || accept >= refuse + open || refuse > accept + open
+        })
     }
 
     /// Apply the votes that came: a part with more refusals than acceptances among the
     /// members other than its owner is zero.
     pub(super) fn decide(&mut self) {
-        let me = self.me;
-        let ballots: Vec<(PeerKey, &[Vote])> = std::iter::once((me, &self.votes[..]))
-            .chain(self.verdicts.iter().map(|(k, v)| (*k, &v[..])))
-            .collect();
-        let refused: Vec<u32> = tally(&self.group, &ballots)
+        let refused: Vec<u32> = tally(&self.group, &self.ballots())
             .into_iter()
             .filter(|j| !self.zeroed.contains(j))
             .collect();
@@ -99,16 +122,23 @@ impl Round {
 pub(super) fn tally(group: &[PeerKey], ballots: &[(PeerKey, &[Vote])]) -> Vec<u32> {
     (0..group.len())
         .filter(|&j| {
-            let count = |want: Vote| {
-                ballots
-                    .iter()
-                    .filter(|(k, votes)| *k != group[j] && votes.get(j) == Some(&want))
-                    .count()
-            };
-            count(Vote::Refuse) > count(Vote::Accept)
+            let (accept, refuse) = count(group, ballots, j);
+            refuse > accept
         })
         .map(|j| j as u32)
         .collect()
+}
+
+/// The acceptances and refusals of part `j` among the `ballots` of the members other than
+/// its owner.
+fn count(group: &[PeerKey], ballots: &[(PeerKey, &[Vote])], j: usize) -> (usize, usize) {
+    let count = |want: Vote| {
+        ballots
+            .iter()
+            .filter(|(k, votes)| *k != group[j] && votes.get(j) == Some(&want))
+            .count()
+    };
+    (count(Vote::Accept), count(Vote::Refuse))
 }
 
 /// How a member finds a part from the [`robust::cosine`] between its own share and it (None:

@@ -312,6 +312,50 @@ fn a_join_that_comes_early_is_kept_for_the_next_round() {
     assert!(!r.follow_early_invitation(key(1), &[PeerKey(3)], 8, MS));
 }
 
+/// A join that reaches this replica while it still waits for another leader's start (the
+/// joiner already counts that leader out) is kept: when that leader leaves and this replica
+/// leads the retry, it starts at once with the joiner instead of waiting a join window for a
+/// join that will not come again. The leader's invitation does not count as a join.
+#[test]
+fn a_join_to_a_round_this_replica_does_not_lead_yet_is_kept_for_its_retry() {
+    use crate::swarm::fixtures::serving as a;
+    let mut out = Outbox::new(PeerKey(3));
+    let mut m = Membership::default();
+    m.update(PeerKey(1), a(1), Duration::ZERO);
+    let mut r = rounds(3);
+    // Among 1, 3 and 5, peer 1 leads round 0 of stage 1.
+    r.begin(
+        key(0),
+        &[PeerKey(1), PeerKey(5)],
+        &[PeerKey(1), PeerKey(5)],
+        8,
+        Duration::ZERO,
+    );
+    assert_eq!(sent(&mut r), [(PeerKey(1), RoundMsg::Join)]);
+    assert_eq!(r.leader_gone(1, &m), None);
+    let replicas = vec![PeerKey(1), PeerKey(5)];
+    // The leader's own invitation is no join to a retry.
+    hear(
+        &mut r,
+        &mut out,
+        1,
+        0,
+        RoundMsg::Join,
+        0,
+        false,
+        replicas.clone(),
+    );
+    hear(&mut r, &mut out, 5, 0, RoundMsg::Join, 0, false, replicas);
+    m.remove(PeerKey(1));
+    assert_eq!(r.leader_gone(1, &m), Some(key(0)));
+    r.begin(key(0), &[PeerKey(5)], &[PeerKey(5)], 8, 2 * MS);
+    let start = RoundMsg::Start {
+        group: vec![PeerKey(3), PeerKey(5)],
+    };
+    let sent = sent(&mut r);
+    assert!(sent.contains(&(PeerKey(5), start)), "{sent:?}");
+}
+
 #[test]
 fn a_round_whose_leader_left_the_stage_fails_at_once() {
     use crate::swarm::fixtures::serving as a;
@@ -339,9 +383,9 @@ fn a_round_whose_leader_left_the_stage_fails_at_once() {
 }
 
 /// A leader that starts a round with a group leaving this replica out is remembered for
-/// that round (its result is not caught up from, and its samples are not waited for); a
-/// replica that announces it is past the round is not waited for, and a follower whose
-/// leader went on fails at once.
+/// that round (its result is not caught up from, and its samples are not waited for, nor is
+/// it in the retry); a replica that announces it is past the round is not waited for, and a
+/// follower whose leader went on fails at once.
 #[test]
 fn a_round_run_without_this_replica_is_not_waited_for() {
     let mut out = Outbox::new(PeerKey(5));
@@ -360,18 +404,9 @@ fn a_round_run_without_this_replica_is_not_waited_for() {
             _ => {}
         }
     }
-    assert_eq!(
-        evidence,
-        Some(Evidence::Led {
-            peer: PeerKey(1),
-            included: false
-        })
-    );
+    assert_eq!(evidence, Some(Evidence::LeftOut { peer: PeerKey(1) }));
     assert!(r.excluded_by(0, PeerKey(1)) && r.excluded_in(0));
     assert!(!r.excluded_by(0, PeerKey(3)) && !r.excluded_in(1));
-    // Tried again, 5 leads and waits for 1 and 3 until 1 says it is past round 0.
-    r.begin(key(0), &[], &[PeerKey(1), PeerKey(3)], 8, 2 * MS);
-    sent(&mut r);
     let mut join = |r: &mut Rounds, from| {
         r.on_message(
             &mut out,
@@ -385,6 +420,20 @@ fn a_round_run_without_this_replica_is_not_waited_for() {
             3 * MS,
         )
     };
+    let started_without_1 = |(_, o): &(RoundKey, RoundOut)| {
+        matches!(o, RoundOut::Send(PeerKey(3), RoundMsg::Start { group })
+            if group.len() == 2 && !group.contains(&PeerKey(1)))
+    };
+    // Tried again, 5 leads, and starts as soon as 3 joins: 1 finished the round without it.
+    r.begin(key(0), &[], &[PeerKey(1), PeerKey(3)], 8, 2 * MS);
+    sent(&mut r);
+    join(&mut r, 3);
+    let starts: Vec<_> = std::iter::from_fn(|| r.poll()).collect();
+    assert!(starts.iter().any(started_without_1), "{starts:?}");
+    // A replica that did not leave it out is waited for until it says it is past the round.
+    let mut r = rounds(5);
+    r.begin(key(0), &[], &[PeerKey(1), PeerKey(3)], 8, 2 * MS);
+    sent(&mut r);
     join(&mut r, 3);
     assert!(r.poll().is_none(), "1 is waited for");
     r.went_on(PeerKey(1), 0, true, 4 * MS);
@@ -394,10 +443,6 @@ fn a_round_run_without_this_replica_is_not_waited_for() {
     );
     r.went_on(PeerKey(1), 1, true, 4 * MS);
     let starts: Vec<_> = std::iter::from_fn(|| r.poll()).collect();
-    let started_without_1 = |(_, o): &(RoundKey, RoundOut)| {
-        matches!(o, RoundOut::Send(PeerKey(3), RoundMsg::Start { group })
-            if group.len() == 2 && !group.contains(&PeerKey(1)))
-    };
     assert!(starts.iter().any(started_without_1), "{starts:?}");
     // A follower whose leader announces it went past the round fails now.
     let mut f = rounds(5);
