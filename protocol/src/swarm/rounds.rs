@@ -31,10 +31,6 @@ pub(super) struct Rounds {
     last: Option<Round>,
     /// Joins of the next round that came before this replica was ready for it.
     early_joins: Vec<(RoundKey, PeerKey)>,
-    /// Joins of the round this replica follows another leader in, kept in case it leads the
-    /// round's retry (see [`Rounds::on_message`]). Never invitations: their senders wait for
-    /// this replica.
-    retry_joins: Vec<(RoundKey, PeerKey)>,
     /// The leader of the round this replica follows was seen serving the stage.
     leader_seen: bool,
     /// Leaders whose start this replica waited for in vain, by round: passed over when the
@@ -74,7 +70,6 @@ impl Rounds {
             current: None,
             last: None,
             early_joins: Vec::new(),
-            retry_joins: Vec::new(),
             leader_seen: false,
             passed_over: Vec::new(),
             forge_parts: false,
@@ -148,8 +143,7 @@ impl Rounds {
                 .filter(|p| !self.excluded_by(key.index, *p))
                 .collect();
             let mut r = Round::lead(key, self.me, &others, len, self.codec, self.timing, now);
-            let early = std::mem::take(&mut self.early_joins);
-            for (k, from) in early.into_iter().chain(self.retry_joins.drain(..)) {
+            for (k, from) in std::mem::take(&mut self.early_joins) {
                 if k == key {
                     r.handle(from, RoundMsg::Join, now);
                 }
@@ -223,21 +217,6 @@ impl Rounds {
         // A leader passed over that starts late is not blamed: it may only have been slow.
         if matches!(msg, RoundMsg::Start { .. }) && self.passed_over_in(key, from) {
             return;
-        }
-        if msg == RoundMsg::Join
-            && self.current.as_ref().is_some_and(|r| {
-                r.key() == key && r.awaited_leader().is_some_and(|leader| leader != from)
-            })
-            && !self.precedes(key, from, self.me)
-            && self.retry_joins.len() < MAX_EARLY_JOINS
-        {
-            // A join from one that ranks after this replica (not an invitation: those come
-            // from leaders, which rank first) while this one still waits for another leader's
-            // start: the sender takes this replica to lead (views of who leads differ for a
-            // moment, as when that leader was just banned). Should that leader fail the
-            // round, this replica may lead the retry, and the joiner is already waiting for
-            // it. Dropped, the join cost the retry a whole join window.
-            self.retry_joins.push((key, from));
         }
         for r in [self.current.as_mut(), self.last.as_mut()]
             .into_iter()
@@ -425,7 +404,6 @@ impl Rounds {
 
     /// The current round's result is applied: it stays to answer slower members.
     pub fn finish(&mut self) {
-        self.retry_joins.clear();
         if let Some(r) = self.current.take() {
             self.last = Some(r);
         }
@@ -435,7 +413,6 @@ impl Rounds {
     pub fn abandon(&mut self) -> Option<RoundKey> {
         self.last = None;
         self.early_joins.clear();
-        self.retry_joins.clear();
         self.current.take().map(|r| r.key())
     }
 }

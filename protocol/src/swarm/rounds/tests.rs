@@ -312,50 +312,6 @@ fn a_join_that_comes_early_is_kept_for_the_next_round() {
     assert!(!r.follow_early_invitation(key(1), &[PeerKey(3)], 8, MS));
 }
 
-/// A join that reaches this replica while it still waits for another leader's start (the
-/// joiner already counts that leader out) is kept: when that leader leaves and this replica
-/// leads the retry, it starts at once with the joiner instead of waiting a join window for a
-/// join that will not come again. The leader's invitation does not count as a join.
-#[test]
-fn a_join_to_a_round_this_replica_does_not_lead_yet_is_kept_for_its_retry() {
-    use crate::swarm::fixtures::serving as a;
-    let mut out = Outbox::new(PeerKey(3));
-    let mut m = Membership::default();
-    m.update(PeerKey(1), a(1), Duration::ZERO);
-    let mut r = rounds(3);
-    // Among 1, 3 and 5, peer 1 leads round 0 of stage 1.
-    r.begin(
-        key(0),
-        &[PeerKey(1), PeerKey(5)],
-        &[PeerKey(1), PeerKey(5)],
-        8,
-        Duration::ZERO,
-    );
-    assert_eq!(sent(&mut r), [(PeerKey(1), RoundMsg::Join)]);
-    assert_eq!(r.leader_gone(1, &m), None);
-    let replicas = vec![PeerKey(1), PeerKey(5)];
-    // The leader's own invitation is no join to a retry.
-    hear(
-        &mut r,
-        &mut out,
-        1,
-        0,
-        RoundMsg::Join,
-        0,
-        false,
-        replicas.clone(),
-    );
-    hear(&mut r, &mut out, 5, 0, RoundMsg::Join, 0, false, replicas);
-    m.remove(PeerKey(1));
-    assert_eq!(r.leader_gone(1, &m), Some(key(0)));
-    r.begin(key(0), &[PeerKey(5)], &[PeerKey(5)], 8, 2 * MS);
-    let start = RoundMsg::Start {
-        group: vec![PeerKey(3), PeerKey(5)],
-    };
-    let sent = sent(&mut r);
-    assert!(sent.contains(&(PeerKey(5), start)), "{sent:?}");
-}
-
 #[test]
 fn a_round_whose_leader_left_the_stage_fails_at_once() {
     use crate::swarm::fixtures::serving as a;
