@@ -145,8 +145,6 @@ pub struct Round {
     /// Members that sent this member their share or their averaged part this attempt: those
     /// whose verdicts are waited for (one silent so far is not waited for again).
     heard: BTreeSet<PeerKey>,
-    /// The vote was decided at its deadline, without the verdicts still missing.
-    verdicts_waited_out: bool,
     /// Parts nobody could deliver, known before the vote.
     zeroed: Vec<u32>,
     /// Averaged parts as encoded, to answer requests.
@@ -209,7 +207,6 @@ impl Round {
             votes: Vec::new(),
             verdicts: BTreeMap::new(),
             heard: BTreeSet::new(),
-            verdicts_waited_out: false,
             zeroed: Vec::new(),
             encoded: BTreeMap::new(),
             own_samples: 0.0,
@@ -393,7 +390,6 @@ impl Round {
         self.votes = vec![Vote::Abstain; self.group.len()];
         self.verdicts.clear();
         self.heard.clear();
-        self.verdicts_waited_out = false;
         self.zeroed.clear();
         self.out.push_back(RoundOut::NeedContribution);
     }
@@ -792,7 +788,8 @@ impl Round {
         }
     }
 
-    fn finish(&mut self, zeroed: Vec<u32>, refused: Vec<u32>) {
+    /// `waited_out`: the vote was decided at its deadline, without the verdicts still missing.
+    fn finish(&mut self, zeroed: Vec<u32>, refused: Vec<u32>, waited_out: bool) {
         let mut averaged = Vec::with_capacity(self.len);
         for (j, p) in self.averaged.iter().enumerate() {
             match p {
@@ -816,9 +813,7 @@ impl Round {
                 let part = !zeroed.contains(&(j as u32));
                 self.evidence.push(Evidence::Delivered {
                     peer,
-                    delivered: share
-                        && part
-                        && !(self.verdicts_waited_out && self.verdict_missing(peer)),
+                    delivered: share && part && !(waited_out && self.verdict_missing(peer)),
                 });
             }
         }
@@ -884,10 +879,7 @@ impl Round {
                     .collect();
                 self.vote(zeroed, now);
             }
-            Phase::Voting => {
-                self.verdicts_waited_out = true;
-                self.decide();
-            }
+            Phase::Voting => self.decide(true),
             Phase::AwaitContribution | Phase::Done => self.deadline = None,
         }
     }

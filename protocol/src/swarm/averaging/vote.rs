@@ -21,7 +21,7 @@ impl Round {
         }
         self.zeroed = zeroed;
         if self.group.len() == 1 {
-            return self.decide();
+            return self.decide(false);
         }
         for &k in &self.group {
             if k != self.me && !self.gone.contains(&k) {
@@ -53,7 +53,7 @@ impl Round {
     pub(super) fn maybe_decide(&mut self) {
         let heard_all = !self.heard.iter().any(|k| self.verdict_missing(*k));
         if self.phase == Phase::Voting && (heard_all || self.settled()) {
-            self.decide();
+            self.decide(false);
         }
     }
 
@@ -82,8 +82,8 @@ impl Round {
     }
 
     /// Apply the votes that came: a part with more refusals than acceptances among the
-    /// members other than its owner is zero.
-    pub(super) fn decide(&mut self) {
+    /// members other than its owner is zero. `waited_out`: decided at the vote's deadline.
+    pub(super) fn decide(&mut self, waited_out: bool) {
         let refused: Vec<u32> = tally(&self.group, &self.ballots())
             .into_iter()
             .filter(|j| !self.zeroed.contains(j))
@@ -94,7 +94,7 @@ impl Round {
             }
         }
         let zeroed = std::mem::take(&mut self.zeroed);
-        self.finish(zeroed, refused);
+        self.finish(zeroed, refused, waited_out);
     }
 
     /// `from`'s verdict: only from a member of the group, once per attempt, with exactly one
