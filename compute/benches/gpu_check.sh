@@ -6,7 +6,10 @@
 #
 # Needs the NVIDIA driver, a Rust toolchain, a C compiler and python3 with venv; PyTorch (its
 # CUDA wheel), NVRTC and cuBLAS come from PyPI into target/ (PIP_INDEX_URL and friends reach
-# pip as usual). Stdout gets one JSON object: the summary, or {"status":"missing",...} before
+# pip as usual). Where python3 already has PyTorch with CUDA, that one is used, and NVRTC and
+# cuBLAS libraries already on the machine (CUDA toolkit, PyTorch's wheels) are used when the
+# driver can run what they produce. On a machine without a Rust toolchain or network, build
+# elsewhere with compute/benches/gpu_prebuild.sh DIR and pass GPU_CHECK_PREBUILT=DIR. Stdout gets one JSON object: the summary, or {"status":"missing",...} before
 # anything is built when something is missing. Progress goes to stderr, each command's output
 # to target/gpu-check/. Exit status: 2 something missing, 1 a stage failed or ran out of time,
 # else 0 (goals met or not). The run keeps within GPU_CHECK_BUDGET_S seconds (default 540).
@@ -48,8 +51,19 @@ else
   need "an NVIDIA GPU" "nvidia-smi lists none ($why); check that the driver is loaded"
 fi
 
+# Binaries built elsewhere (gpu_prebuild.sh): shoal and the test executables.
+prebuilt=${GPU_CHECK_PREBUILT:-}
+if [ -n "$prebuilt" ]; then
+  for b in shoal cuda-tests; do
+    [ -x "$prebuilt/$b" ] ||
+      need "$prebuilt/$b" "build it with compute/benches/gpu_prebuild.sh $prebuilt (GPU_CHECK_PREBUILT)"
+  done
+fi
+
 rust_min=$(sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml)
-if ! command -v cargo >/dev/null 2>&1; then
+if [ -n "$prebuilt" ]; then
+  :
+elif ! command -v cargo >/dev/null 2>&1; then
   need cargo "install Rust $rust_min or newer with rustup (https://rustup.rs)"
 else
   rust_have=$(cargo --version 2>/dev/null || true)
@@ -62,11 +76,21 @@ else
   fi
 fi
 # Rust links through cc, and aws-lc-sys and zstd-sys compile C.
-command -v cc >/dev/null 2>&1 || need "cc (C compiler and linker)" "apt-get install build-essential"
+if [ -z "$prebuilt" ] && ! command -v cc >/dev/null 2>&1; then
+  need "cc (C compiler and linker)" "apt-get install build-essential"
+fi
 
+# A python3 whose PyTorch already runs on the GPU is used as it is (no venv, no download).
+torch_py=""
+if command -v python3 >/dev/null 2>&1 &&
+  timeout 120 python3 -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' \
+    >/dev/null 2>&1; then
+  torch_py=python3
+fi
 if ! command -v python3 >/dev/null 2>&1; then
   need python3 "apt-get install python3 python3-venv"
-elif [ ! -x "$venv/bin/python" ] && ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+elif [ -z "$torch_py" ] && [ ! -x "$venv/bin/python" ] &&
+  ! python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
   # Debian and Ubuntu ship venv and the pip it installs (ensurepip) apart from python3.
   need "python3 venv with pip" "apt-get install python3-venv"
 fi
@@ -151,32 +175,85 @@ if [ "${driver_cuda%%.*}" = 12 ]; then
   pin="<12.$((${minor%%.*} + 1))"
   torch="torch<2.11"
 fi
-cuda_lib_path=$PWD/$libs/nvidia/cuda_nvrtc/lib:$PWD/$libs/nvidia/cublas/lib
+# NVRTC and cuBLAS already on the machine (a CUDA toolkit, PyTorch's wheels) serve where the
+# driver runs what they produce: NVRTC of the driver's CUDA release or older, cuBLAS of its
+# major release or older. The CUDA backend looks for CUDA 12's names or unversioned ones, so
+# each is linked under its plain name in a folder of its own.
+version_le() { [ "$(printf '%s\n' "$1" "$2" | sort -V | head -n1)" = "$1" ]; }
+# local_lib NAME MAX: the newest NAME.so.* on the machine whose version, cut to MAX's number of
+# components, is MAX or older.
+local_lib() {
+  local name=$1 max=$2 f real v cut best="" bestv=""
+  while read -r f; do
+    real=$(readlink -f "$f") || continue
+    v=${real##*/"$name".so.}
+    [[ $v =~ ^[0-9]+(\.[0-9]+)*$ ]] || continue
+    cut=$(cut -d. -f1-"$(tr -cd . <<<"$max." | wc -c)" <<<"$v")
+    if version_le "$cut" "$max" && { [ -z "$bestv" ] || version_le "$bestv" "$v"; }; then
+      best=$real bestv=$v
+    fi
+  done < <({
+    PATH=$PATH:/sbin:/usr/sbin ldconfig -p 2>/dev/null | sed -n "s/.*=> \(.*\/$name\.so\..*\)$/\1/p"
+    find /usr/local /usr/lib /opt -name "$name.so.*" 2>/dev/null
+  } | sort -u)
+  printf '%s' "$best"
+}
+local_nvrtc="" local_cublas=""
+if [ -n "$driver_cuda" ]; then
+  local_nvrtc=$(local_lib libnvrtc "$(cut -d. -f1-2 <<<"$driver_cuda")")
+  local_cublas=$(local_lib libcublas "${driver_cuda%%.*}")
+fi
+if [ -n "$local_nvrtc" ] && [ -n "$local_cublas" ]; then
+  rm -rf "$libs/links"
+  mkdir -p "$libs/links"
+  ln -s "$local_nvrtc" "$libs/links/libnvrtc.so"
+  ln -s "$local_cublas" "$libs/links/libcublas.so"
+  echo "== using $local_nvrtc and $local_cublas" >&2
+  cuda_lib_path=$PWD/$libs/links:$(dirname "$local_nvrtc"):$(dirname "$local_cublas")
+else
+  cuda_lib_path=$PWD/$libs/nvidia/cuda_nvrtc/lib:$PWD/$libs/nvidia/cublas/lib
+fi
 cuda_vars=("LD_LIBRARY_PATH=$cuda_lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}")
 
-if [ ! -x "$venv/bin/python" ]; then
+need_venv=""
+if [ -z "$torch_py" ] || [ -z "$local_nvrtc" ] || [ -z "$local_cublas" ]; then need_venv=1; fi
+if [ -n "$need_venv" ] && [ ! -x "$venv/bin/python" ]; then
   stage venv 120 python3 -m venv "$venv"
 fi
 # The downloads run while shoal builds; they are waited for where they are needed.
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 libs_pid="" torch_pid=""
-if [ -x "$venv/bin/python" ]; then
+if [ -n "$local_nvrtc" ] && [ -n "$local_cublas" ]; then
+  :
+elif [ -x "$venv/bin/python" ]; then
   stage cuda_libs 300 "${pip[@]}" --upgrade --target "$libs" \
     "nvidia-cuda-nvrtc-cu12$pin" "nvidia-cublas-cu12$pin" &
   libs_pid=$!
-  stage torch_install 420 "${pip[@]}" "$torch" &
-  torch_pid=$!
 else
   skip cuda_libs "no Python venv (see venv)"
+fi
+if [ -n "$torch_py" ]; then
+  echo "== using $torch_py's PyTorch" >&2
+elif [ -x "$venv/bin/python" ]; then
+  stage torch_install 420 "${pip[@]}" "$torch" &
+  torch_pid=$!
+  torch_py=$venv/bin/python
+else
   skip torch_install "no Python venv (see venv)"
 fi
 
-stage build 330 cargo build --release -p shoal-node
-shoal=$PWD/target/release/shoal
+if [ -n "$prebuilt" ]; then
+  shoal=$(readlink -f "$prebuilt/shoal")
+  printf 'rc=0\nstart=%s\nend=%s\nlimit=0\nprebuilt=%s\n' "$(date +%s.%N)" "$(date +%s.%N)" \
+    "$prebuilt" >"$out/build.stage"
+else
+  stage build 330 cargo build --release -p shoal-node
+  shoal=$PWD/target/release/shoal
+fi
 
 icd=""
-for f in /usr/share/vulkan/icd.d/nvidia*.json /etc/vulkan/icd.d/nvidia*.json; do
-  if [ -e "$f" ]; then
+for f in ${VK_DRIVER_FILES//:/ } /usr/share/vulkan/icd.d/nvidia*.json /etc/vulkan/icd.d/nvidia*.json; do
+  if [ -e "$f" ] && grep -qi nvidia "$f"; then
     icd=$f
     break
   fi
@@ -193,24 +270,33 @@ if [ -z "$icd" ]; then
   wgpu_skip+=" /etc/vulkan/icd.d): install the driver's Vulkan part (e.g. libnvidia-gl-550-server)"
 elif ! has_vulkan_loader; then
   wgpu_skip="no Vulkan loader (libvulkan.so.1): apt-get install libvulkan1"
+elif [ -n "$prebuilt" ] && [ ! -x "$prebuilt/wgpu-tests" ]; then
+  wgpu_skip="$prebuilt/wgpu-tests is missing (gpu_prebuild.sh builds it)"
 fi
 # wgpu runs on NVIDIA's Vulkan driver alone, so a software one (Mesa's lavapipe) that is also
 # installed can neither stand in for it in the checks nor slow `shoal devices --bench` down.
 vk_vars=()
 if [ -n "$icd" ]; then vk_vars=("VK_DRIVER_FILES=$icd" "VK_ICD_FILENAMES=$icd"); fi
 
-tests=(--test cuda)
-if [ -z "$wgpu_skip" ]; then tests+=(--test wgpu); fi
-stage test_build 240 cargo test --release -p shoal-compute "${tests[@]}" --no-run
+if [ -n "$prebuilt" ]; then
+  cuda_test=("$prebuilt/cuda-tests") wgpu_test=("$prebuilt/wgpu-tests")
+  printf 'rc=0\nstart=%s\nend=%s\nlimit=0\nprebuilt=%s\n' "$(date +%s.%N)" "$(date +%s.%N)" \
+    "$prebuilt" >"$out/test_build.stage"
+else
+  tests=(--test cuda)
+  if [ -z "$wgpu_skip" ]; then tests+=(--test wgpu); fi
+  stage test_build 240 cargo test --release -p shoal-compute "${tests[@]}" --no-run
+  cuda_test=(cargo test --release -p shoal-compute --test cuda --)
+  wgpu_test=(cargo test --release -p shoal-compute --test wgpu --)
+fi
 if [ -n "$libs_pid" ]; then wait "$libs_pid" || true; fi
 if ok test_build; then
   # The agreement tests are ignored where there is no GPU; here they must run.
-  stage cuda_tests 120 env "${cuda_vars[@]}" \
-    cargo test --release -p shoal-compute --test cuda -- --include-ignored
+  stage cuda_tests 120 env "${cuda_vars[@]}" "${cuda_test[@]}" --include-ignored
   if [ -n "$wgpu_skip" ]; then
     skip wgpu_tests "$wgpu_skip"
   else
-    stage wgpu_tests 120 env "${vk_vars[@]}" cargo test --release -p shoal-compute --test wgpu
+    stage wgpu_tests 120 env "${vk_vars[@]}" "${wgpu_test[@]}"
   fi
 else
   skip cuda_tests "the test build failed (see test_build)"
@@ -229,10 +315,10 @@ presets=(gpt2:8 mini:32 micro:64)
 torch_waited=""
 for pb in "${presets[@]}"; do
   preset=${pb%%:*} batch=${pb#*:}
-  args=(--preset "$preset" --batch "$batch" --steps 10 --json)
+  args=(--preset "$preset" --batch "$batch" --json)
   if ok build; then
     stage "bench_cuda_$preset" 90 env "${cuda_vars[@]}" \
-      "$shoal" bench compute --backend cuda "${args[@]}"
+      "$shoal" bench compute --backend cuda "${args[@]}" --steps 10
   else
     skip "bench_cuda_$preset" "the build failed (see build)"
   fi
@@ -241,16 +327,17 @@ for pb in "${presets[@]}"; do
   elif [ -n "$wgpu_skip" ]; then
     skip "bench_wgpu_$preset" "no Vulkan for NVIDIA (see wgpu_tests)"
   else
+    # Seconds a step on an H200 (gpt2 ~15 s): fewer steps, so that it fits its time.
     stage "bench_wgpu_$preset" 150 env "${vk_vars[@]}" \
-      "$shoal" bench compute --backend wgpu "${args[@]}"
+      "$shoal" bench compute --backend wgpu "${args[@]}" --steps 3 --warmup 1
   fi
   if [ -n "$torch_pid" ] && [ -z "$torch_waited" ]; then
     wait "$torch_pid" || true
     torch_waited=1
   fi
-  if ok torch_install; then
-    stage "bench_torch_$preset" 120 "$venv/bin/python" compute/benches/torch_reference.py \
-      --device cuda "${args[@]}"
+  if [ -n "$torch_py" ] && { [ -z "$torch_pid" ] || ok torch_install; }; then
+    stage "bench_torch_$preset" 120 "$torch_py" compute/benches/torch_reference.py \
+      --device cuda "${args[@]}" --steps 10
   else
     skip "bench_torch_$preset" "PyTorch did not install (see torch_install)"
   fi
@@ -341,6 +428,7 @@ summary = {"status": "ok", "gpu": names[0] if names else None, "gpus": names,
 setup = {n: stage(n) for n in ("venv", "cuda_libs", "torch_install", "build", "test_build",
                                "vulkan_loader") if read(n, "stage")}
 summary["build_seconds"] = setup.get("build", {}).get("seconds")
+summary["prebuilt"] = os.environ.get("GPU_CHECK_PREBUILT") or None
 summary["setup"] = setup
 summary["tests"] = {"cuda": tests("cuda_tests"), "wgpu": tests("wgpu_tests")}
 devices = stage("devices")

@@ -280,11 +280,16 @@ impl RunProcess {
         }
     }
 
-    /// The highest step shown in its progress lines so far (reads what has arrived).
-    pub fn step(&mut self) -> u64 {
+    /// Moves the lines that have arrived into `seen`.
+    fn take_lines(&mut self) {
         while let Ok(l) = self.lines.try_recv() {
             self.seen.push(l);
         }
+    }
+
+    /// The highest step shown in its progress lines so far (reads what has arrived).
+    pub fn step(&mut self) -> u64 {
+        self.take_lines();
         self.seen
             .iter()
             .filter_map(|l| l.split("step ").nth(1))
@@ -324,6 +329,7 @@ impl RunProcess {
     pub fn finish(&mut self, timeout: Duration) -> Value {
         let deadline = Instant::now() + timeout;
         while self.is_running() {
+            self.take_lines();
             assert!(
                 Instant::now() < deadline,
                 "{} did not finish within {timeout:?}; last lines: {:?}",
@@ -332,9 +338,7 @@ impl RunProcess {
             );
             std::thread::sleep(Duration::from_millis(200));
         }
-        while let Ok(l) = self.lines.try_recv() {
-            self.seen.push(l);
-        }
+        self.take_lines();
         let text = std::fs::read_to_string(&self.report)
             .unwrap_or_else(|e| panic!("{}: no report ({e}); output: {:?}", self.name, self.seen));
         serde_json::from_str(&text).expect("report is JSON")

@@ -479,6 +479,12 @@ impl Round {
                 self.joined.remove(&peer);
                 self.maybe_start(now, false);
             }
+            // Its leader crashed or restarted: the start will not come. Tried again with
+            // another leader now, rather than at the deadline; no evidence against it.
+            Phase::AwaitStart if self.leader == Some(peer) => {
+                self.withheld_by = self.leader;
+                self.fail("the round's leader left");
+            }
             Phase::AwaitStart | Phase::Done => {}
             Phase::AwaitContribution | Phase::Exchanging | Phase::Filling | Phase::Voting => {
                 if self.group.contains(&peer) && !self.owned_done {
@@ -806,9 +812,10 @@ impl Round {
         // Who delivered: each member's share to this member's part, each owner's part (one
         // nobody could deliver was withheld by its owner), and the verdicts of the members
         // whose were waited for in vain (keeping them would cost every round a wait for
-        // free; one not needed to settle the vote cost nothing).
+        // free; one not needed to settle the vote cost nothing). A member that left or
+        // restarted during the round is not judged by it: what it had under way died with it.
         for (j, &peer) in self.group.iter().enumerate() {
-            if peer != self.me {
+            if peer != self.me && !self.gone.contains(&peer) {
                 let share = !left_out.contains(&peer);
                 let part = !zeroed.contains(&(j as u32));
                 self.evidence.push(Evidence::Delivered {

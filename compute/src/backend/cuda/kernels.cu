@@ -154,17 +154,40 @@ extern "C" __global__ void embedding_backward_wpe(float* dwpe, const float* dout
     }
 }
 
-// One thread per column walks the positions in order: repeated tokens need no atomics and the
-// sum order is the CPU reference's.
+// One thread per column walks the positions in order (no atomics, and a fixed sum order), in
+// groups of 8: a group's values for one token are added together first, so its 8 rows are
+// distinct and their loads overlap instead of waiting on each other's stores.
+#define WTE_GROUP 8
 extern "C" __global__ void embedding_backward_wte(float* dwte, const float* dout,
                                                   const unsigned int* tokens, unsigned int rows,
                                                   unsigned int width, unsigned int vocab) {
     unsigned int c = flat_index();
-    if (c < width) {
-        for (unsigned int i = 0; i < rows; i++) {
-            unsigned int tok = tokens[i];
-            if (tok < vocab) dwte[(size_t)tok * width + c] += dout[(size_t)i * width + c];
+    if (c >= width) return;
+    for (unsigned int i0 = 0; i0 < rows; i0 += WTE_GROUP) {
+        unsigned int tok[WTE_GROUP];
+        float v[WTE_GROUP], row[WTE_GROUP];
+#pragma unroll
+        for (unsigned int j = 0; j < WTE_GROUP; j++) {
+            bool in = i0 + j < rows;
+            tok[j] = in ? tokens[i0 + j] : vocab;
+            v[j] = in ? dout[(size_t)(i0 + j) * width + c] : 0.0f;
         }
+        // A repeated token's value goes to its first occurrence in the group.
+#pragma unroll
+        for (unsigned int j = 1; j < WTE_GROUP; j++) {
+            for (unsigned int k = 0; k < j; k++) {
+                if (tok[j] < vocab && tok[k] == tok[j]) {
+                    v[k] += v[j];
+                    tok[j] = vocab;
+                }
+            }
+        }
+#pragma unroll
+        for (unsigned int j = 0; j < WTE_GROUP; j++)
+            if (tok[j] < vocab) row[j] = dwte[(size_t)tok[j] * width + c];
+#pragma unroll
+        for (unsigned int j = 0; j < WTE_GROUP; j++)
+            if (tok[j] < vocab) dwte[(size_t)tok[j] * width + c] = row[j] + v[j];
     }
 }
 
@@ -218,30 +241,69 @@ extern "C" __global__ void layernorm_backward_input(float* dinp, const float* do
     }
 }
 
-extern "C" __global__ void layernorm_backward_params(float* dweight, float* dbias,
-                                                     const float* dout, const float* inp,
-                                                     const float* mean, const float* rstd,
-                                                     unsigned int rows, unsigned int width) {
-    unsigned int c = flat_index();
-    if (c < width) {
-        float dw = 0.0f, db = 0.0f;
-        for (unsigned int r = 0; r < rows; r++) {
-            float g = dout[(size_t)r * width + c];
-            dw += g * (inp[(size_t)r * width + c] - mean[r]) * rstd[r];
-            db += g;
-        }
-        dweight[c] += dw;
-        dbias[c] += db;
+// Column sums over many rows, in two passes so that every multiprocessor takes part: a block
+// sums a tile of 32 columns over one chunk of rows (its 8 warps take every 8th row, each warp
+// reading 32 consecutive values, and add their sums in warp order), writing one partial per
+// column and chunk; then one thread per column adds its partials in chunk order. The order is
+// fixed, so results are the same on every run.
+#define COLS 32
+#define ROW_LANES (BLOCK / COLS)
+
+// Adds the ROW_LANES sums of each column of the tile and writes them to out[column].
+__device__ void tile_total(float v, float (*shared)[COLS + 1], float* out, unsigned int col,
+                           unsigned int width) {
+    unsigned int lane = threadIdx.x % COLS, lane_row = threadIdx.x / COLS;
+    shared[lane_row][lane] = v;
+    __syncthreads();
+    if (lane_row == 0 && col < width) {
+        float t = 0.0f;
+        for (unsigned int k = 0; k < ROW_LANES; k++) t += shared[k][lane];
+        out[col] = t;
     }
+    __syncthreads();
 }
 
-extern "C" __global__ void column_sum(float* acc, const float* x, unsigned int rows,
-                                      unsigned int width) {
-    unsigned int j = flat_index();
-    if (j < width) {
-        float s = 0.0f;
-        for (unsigned int r = 0; r < rows; r++) s += x[(size_t)r * width + j];
-        acc[j] += s;
+// partials[chunk][c] = sum of x[r][c] over the chunk's rows.
+extern "C" __global__ void column_sum_partials(float* partials, const float* x, unsigned int rows,
+                                               unsigned int width, unsigned int chunk) {
+    __shared__ float shared[ROW_LANES][COLS + 1];
+    unsigned int col = blockIdx.x * COLS + threadIdx.x % COLS;
+    unsigned int first = blockIdx.y * chunk, end = min(first + chunk, rows);
+    float s = 0.0f;
+    if (col < width)
+        for (unsigned int r = first + threadIdx.x / COLS; r < end; r += ROW_LANES)
+            s += x[(size_t)r * width + col];
+    tile_total(s, shared, partials + (size_t)blockIdx.y * width, col, width);
+}
+
+// The layernorm's parameter gradients per chunk: dweight partials in the first gridDim.y
+// planes of `partials`, dbias partials in the next.
+extern "C" __global__ void layernorm_params_partials(float* partials, const float* dout,
+                                                     const float* inp, const float* mean,
+                                                     const float* rstd, unsigned int rows,
+                                                     unsigned int width, unsigned int chunk) {
+    __shared__ float shared[ROW_LANES][COLS + 1];
+    unsigned int col = blockIdx.x * COLS + threadIdx.x % COLS;
+    unsigned int first = blockIdx.y * chunk, end = min(first + chunk, rows);
+    float dw = 0.0f, db = 0.0f;
+    if (col < width)
+        for (unsigned int r = first + threadIdx.x / COLS; r < end; r += ROW_LANES) {
+            float g = dout[(size_t)r * width + col];
+            dw += g * (inp[(size_t)r * width + col] - mean[r]) * rstd[r];
+            db += g;
+        }
+    tile_total(dw, shared, partials + (size_t)blockIdx.y * width, col, width);
+    tile_total(db, shared, partials + (size_t)(gridDim.y + blockIdx.y) * width, col, width);
+}
+
+// acc[c] += the sum of partials[k][c] over k < chunks, in order.
+extern "C" __global__ void add_column_partials(float* acc, const float* partials,
+                                               unsigned int chunks, unsigned int width) {
+    unsigned int c = flat_index();
+    if (c < width) {
+        float t = 0.0f;
+        for (unsigned int k = 0; k < chunks; k++) t += partials[(size_t)k * width + c];
+        acc[c] += t;
     }
 }
 

@@ -18,7 +18,8 @@ use super::{
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 use std::sync::Arc;
 
@@ -26,7 +27,7 @@ use std::sync::Arc;
 pub const KERNELS: &str = include_str!("kernels.cu");
 
 /// Names of the kernels in [`KERNELS`].
-const KERNEL_NAMES: [&str; 19] = [
+const KERNEL_NAMES: [&str; 20] = [
     "fill",
     "add",
     "add_assign",
@@ -40,8 +41,9 @@ const KERNEL_NAMES: [&str; 19] = [
     "embedding_backward_wte",
     "layernorm_forward",
     "layernorm_backward_input",
-    "layernorm_backward_params",
-    "column_sum",
+    "column_sum_partials",
+    "layernorm_params_partials",
+    "add_column_partials",
     "attention_softmax",
     "attention_softmax_backward",
     "cross_entropy_forward",
@@ -175,6 +177,21 @@ fn elementwise(n: usize) -> LaunchConfig {
     grid(n.div_ceil(BLOCK as usize))
 }
 
+/// How a column reduction over `rows x width` is cut (see `column_sum_partials` in
+/// [`KERNELS`]): tiles of 32 columns by chunks of rows, enough blocks to fill a large GPU, at
+/// most 64 partials per column. Returns the launch, the rows per chunk and the chunk count.
+fn column_chunks(rows: usize, width: usize) -> (LaunchConfig, u32, u32) {
+    let chunk = rows.div_ceil(64).max(32);
+    let chunks = rows.div_ceil(chunk).max(1);
+    let tiles = width.div_ceil(32).max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (dim(tiles), dim(chunks), 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    (cfg, dim(chunk), dim(chunks))
+}
+
 /// Launches kernel `$name` with `$cfg` and the given arguments.
 macro_rules! launch {
     ($self:ident, $name:literal, $cfg:expr, $($arg:expr),* $(,)?) => {{
@@ -240,6 +257,16 @@ impl CudaBackend {
             .collect()
     }
 
+    /// Device memory for a kernel's intermediate values, taken from the stream's pool (no
+    /// device-wide synchronisation) and returned when dropped.
+    fn scratch(&self, len: usize) -> Result<CudaSlice<f32>> {
+        // SAFETY: every kernel given scratch writes each value before it reads it.
+        unsafe { self.stream.alloc::<f32>(len.max(1)) }.map_err(|_| BackendError::OutOfMemory {
+            backend: self.name(),
+            bytes: len * 4,
+        })
+    }
+
     fn kernel(&self, name: &str) -> &CudaFunction {
         &self
             .kernels
@@ -303,6 +330,87 @@ impl CudaBackend {
                     &mut cv,
                 )
             }
+        }
+        .map_err(cuda_error)
+    }
+
+    /// [`Self::gemm`] for `groups` groups of `batch` members, each operand's group `g`
+    /// starting `g` times its group stride after group 0: one cuBLAS call over arrays of
+    /// pointers, where a call per group would cost a launch each (attention over many short
+    /// sequences is thousands of them).
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_grouped(
+        &self,
+        (m, n, k, batch, groups): (usize, usize, usize, usize, usize),
+        a: (&CudaBuffer, Operand, usize),
+        b: (&CudaBuffer, Operand, usize),
+        c: (&mut CudaBuffer, Operand, usize),
+        alpha: f32,
+        beta: f32,
+    ) -> Result<()> {
+        let (ab, ao, ag) = a;
+        let (bb, bo, bg) = b;
+        let (cb, co, cg) = c;
+        if groups == 1 {
+            return self.gemm((m, n, k, batch), (ab, ao), (bb, bo), (cb, co), alpha, beta);
+        }
+        if m == 0 || n == 0 || k == 0 || batch == 0 || groups == 0 {
+            return Ok(());
+        }
+        let last = |o: Operand, g: usize| o.at(o.off + (groups - 1) * g);
+        assert!(
+            last(ao, ag).extent(m, k, batch) <= ab.len,
+            "gemm A out of bounds"
+        );
+        assert!(
+            last(bo, bg).extent(k, n, batch) <= bb.len,
+            "gemm B out of bounds"
+        );
+        assert!(
+            last(co, cg).extent(m, n, batch) <= cb.len,
+            "gemm C out of bounds"
+        );
+        let (a_base, _a_sync) = ab.data.device_ptr(&self.stream);
+        let (b_base, _b_sync) = bb.data.device_ptr(&self.stream);
+        let (c_base, _c_sync) = cb.data.device_ptr_mut(&self.stream);
+        let pointers = |base: u64, o: Operand, g: usize| -> Vec<u64> {
+            (0..groups)
+                .flat_map(|gi| (0..batch).map(move |bi| o.off + gi * g + bi * o.stride))
+                .map(|at| base + (at * size_of::<f32>()) as u64)
+                .collect()
+        };
+        let upload = |p: Vec<u64>| self.stream.clone_htod(&p).map_err(cuda_error);
+        let (pa, pb, pc) = (
+            upload(pointers(a_base, ao, ag))?,
+            upload(pointers(b_base, bo, bg))?,
+            upload(pointers(c_base, co, cg))?,
+        );
+        let (pa_ptr, _pa_sync) = pa.device_ptr(&self.stream);
+        let (pb_ptr, _pb_sync) = pb.device_ptr(&self.stream);
+        let (pc_ptr, _pc_sync) = pc.device_ptr(&self.stream);
+        // Column-major, as in `gemm`: Cᵀ = op(B)ᵀ op(A)ᵀ.
+        // SAFETY: every member's extent lies within its buffer (checked above for the last
+        // group, whose members end furthest), and the pointer arrays live on the stream until
+        // the product that reads them has run (they are freed in stream order).
+        unsafe {
+            cudarc::cublas::sys::cublasSgemmBatched(
+                *self.blas.handle(),
+                bo.op(),
+                ao.op(),
+                int(n),
+                int(m),
+                int(k),
+                &alpha,
+                pb_ptr as *const *const f32,
+                int(bo.ld),
+                pa_ptr as *const *const f32,
+                int(ao.ld),
+                &beta,
+                pc_ptr as *const *mut f32,
+                int(co.ld),
+                int(batch * groups),
+            )
+            .result()
         }
         .map_err(cuda_error)
     }
@@ -564,17 +672,38 @@ impl Backend for CudaBackend {
             &rows,
             &width
         )?;
+        let (cfg, chunk, chunks) = column_chunks(s.rows, s.width);
+        let mut partials = self.scratch(2 * chunks as usize * s.width)?;
         launch!(
             self,
-            "layernorm_backward_params",
-            elementwise(s.width),
-            &mut dweight.data,
-            &mut dbias.data,
+            "layernorm_params_partials",
+            cfg,
+            &mut partials,
             &dout.data,
             &inp.data,
             &mean.data,
             &rstd.data,
             &rows,
+            &width,
+            &chunk
+        )?;
+        let bias_partials = partials.slice(chunks as usize * s.width..);
+        launch!(
+            self,
+            "add_column_partials",
+            elementwise(s.width),
+            &mut dbias.data,
+            &bias_partials,
+            &chunks,
+            &width
+        )?;
+        launch!(
+            self,
+            "add_column_partials",
+            elementwise(s.width),
+            &mut dweight.data,
+            &partials,
+            &chunks,
             &width
         )
     }
@@ -646,13 +775,25 @@ impl Backend for CudaBackend {
         if let Some(dbias) = dbias {
             check(dbias, oc, "matmul dbias");
             let (rows, width) = (dim(n), dim(oc));
+            let (cfg, chunk, chunks) = column_chunks(n, oc);
+            let mut partials = self.scratch(chunks as usize * oc)?;
             launch!(
                 self,
-                "column_sum",
-                elementwise(oc),
-                &mut dbias.data,
+                "column_sum_partials",
+                cfg,
+                &mut partials,
                 &dout.data,
                 &rows,
+                &width,
+                &chunk
+            )?;
+            launch!(
+                self,
+                "add_column_partials",
+                elementwise(oc),
+                &mut dbias.data,
+                &partials,
+                &chunks,
                 &width
             )?;
         }
@@ -670,20 +811,20 @@ impl Backend for CudaBackend {
         let hs = c / nh;
         s.check_forward(out.len, probs.len, qkv.len);
         let scale = 1.0 / (hs as f32).sqrt();
-        // One batched product per sequence, over its heads.
-        for bi in 0..b {
-            let q = Operand::plain(3 * c).at(bi * t * 3 * c).batched(hs);
-            let p = Operand::plain(t).at(bi * nh * t * t).batched(t * t);
-            // scores = Q Kᵀ · scale
-            self.gemm(
-                (t, t, hs, nh),
-                (qkv, q),
-                (qkv, q.at(q.off + c).t()),
-                (probs, p),
-                scale,
-                0.0,
-            )?;
-        }
+        // One batched product over every sequence and head.
+        let q = Operand::plain(3 * c).batched(hs);
+        let p = Operand::plain(t).batched(t * t);
+        let o = Operand::plain(c).batched(hs);
+        let (qkv_seq, p_seq, o_seq) = (t * 3 * c, nh * t * t, t * c);
+        // scores = Q Kᵀ · scale
+        self.gemm_grouped(
+            (t, t, hs, nh, b),
+            (qkv, q, qkv_seq),
+            (qkv, q.at(c).t(), qkv_seq),
+            (probs, p, p_seq),
+            scale,
+            0.0,
+        )?;
         let (rows, seq) = (dim(b * nh * t), dim(t));
         launch!(
             self,
@@ -693,14 +834,15 @@ impl Backend for CudaBackend {
             &rows,
             &seq
         )?;
-        for bi in 0..b {
-            let v = Operand::plain(3 * c).at(bi * t * 3 * c + 2 * c).batched(hs);
-            let p = Operand::plain(t).at(bi * nh * t * t).batched(t * t);
-            let o = Operand::plain(c).at(bi * t * c).batched(hs);
-            // out = P V
-            self.gemm((t, hs, t, nh), (probs, p), (qkv, v), (out, o), 1.0, 0.0)?;
-        }
-        Ok(())
+        // out = P V
+        self.gemm_grouped(
+            (t, hs, t, nh, b),
+            (probs, p, p_seq),
+            (qkv, q.at(2 * c), qkv_seq),
+            (out, o, o_seq),
+            1.0,
+            0.0,
+        )
     }
 
     fn attention_backward(
@@ -716,36 +858,28 @@ impl Backend for CudaBackend {
         let hs = c / nh;
         s.check_backward(dqkv.len, scratch.len, dout.len, probs.len);
         let scale = 1.0 / (hs as f32).sqrt();
-        let blocks = |bi: usize| {
-            let q = Operand::plain(3 * c).at(bi * t * 3 * c).batched(hs);
-            (
-                q,
-                q.at(q.off + c),
-                q.at(q.off + 2 * c),
-                Operand::plain(t).at(bi * nh * t * t).batched(t * t),
-                Operand::plain(c).at(bi * t * c).batched(hs),
-            )
-        };
-        for bi in 0..b {
-            let (_, _, v, p, g) = blocks(bi);
-            // dP = dO Vᵀ; dV = Pᵀ dO
-            self.gemm(
-                (t, t, hs, nh),
-                (dout, g),
-                (qkv, v.t()),
-                (scratch, p),
-                1.0,
-                0.0,
-            )?;
-            self.gemm(
-                (t, hs, t, nh),
-                (probs, p.t()),
-                (dout, g),
-                (dqkv, v),
-                1.0,
-                0.0,
-            )?;
-        }
+        let q = Operand::plain(3 * c).batched(hs);
+        let (k, v) = (q.at(c), q.at(2 * c));
+        let p = Operand::plain(t).batched(t * t);
+        let g = Operand::plain(c).batched(hs);
+        let (qkv_seq, p_seq, g_seq) = (t * 3 * c, nh * t * t, t * c);
+        // dP = dO Vᵀ; dV = Pᵀ dO
+        self.gemm_grouped(
+            (t, t, hs, nh, b),
+            (dout, g, g_seq),
+            (qkv, v.t(), qkv_seq),
+            (scratch, p, p_seq),
+            1.0,
+            0.0,
+        )?;
+        self.gemm_grouped(
+            (t, hs, t, nh, b),
+            (probs, p.t(), p_seq),
+            (dout, g, g_seq),
+            (dqkv, v, qkv_seq),
+            1.0,
+            0.0,
+        )?;
         let (rows, seq) = (dim(b * nh * t), dim(t));
         launch!(
             self,
@@ -757,20 +891,23 @@ impl Backend for CudaBackend {
             &seq,
             &scale
         )?;
-        for bi in 0..b {
-            let (q, k, _, p, _) = blocks(bi);
-            // dQ = dS K; dK = dSᵀ Q
-            self.gemm((t, hs, t, nh), (scratch, p), (qkv, k), (dqkv, q), 1.0, 0.0)?;
-            self.gemm(
-                (t, hs, t, nh),
-                (scratch, p.t()),
-                (qkv, q),
-                (dqkv, k),
-                1.0,
-                0.0,
-            )?;
-        }
-        Ok(())
+        // dQ = dS K; dK = dSᵀ Q
+        self.gemm_grouped(
+            (t, hs, t, nh, b),
+            (scratch, p, p_seq),
+            (qkv, k, qkv_seq),
+            (dqkv, q, qkv_seq),
+            1.0,
+            0.0,
+        )?;
+        self.gemm_grouped(
+            (t, hs, t, nh, b),
+            (scratch, p.t(), p_seq),
+            (qkv, q, qkv_seq),
+            (dqkv, k, qkv_seq),
+            1.0,
+            0.0,
+        )
     }
 
     fn gelu_forward(&self, out: &mut CudaBuffer, inp: &CudaBuffer) -> Result<()> {

@@ -473,3 +473,24 @@ fn an_averaging_round_survives_a_member_vanishing_at_each_phase() {
         }
     }
 }
+
+#[test]
+fn a_follower_whose_leader_left_fails_at_once_without_evidence() {
+    let key = RoundKey { stage: 1, index: 4 };
+    let (me, leader) = (PeerKey(1), PeerKey(2));
+    let mut r = Round::follow(key, me, leader, 8, Codec::Fp32, timing(), Duration::ZERO);
+    while r.poll().is_some() {}
+    // Another member leaving changes nothing; the leader leaving (a crash or a restart, long
+    // before the deadline) fails the round now, so that its retry can pass the leader over.
+    r.member_gone(PeerKey(3), MS);
+    assert!(!r.is_done());
+    r.member_gone(leader, MS);
+    assert!(r.is_done());
+    let outs: Vec<RoundOut> = std::iter::from_fn(|| r.poll()).collect();
+    assert!(outs.iter().any(|o| matches!(o, RoundOut::Failed(_))));
+    assert!(
+        !outs.iter().any(|o| matches!(o, RoundOut::Evidence(_))),
+        "a leader that left is not accused: {outs:?}"
+    );
+    assert_eq!(r.withheld_by(), Some(leader));
+}
