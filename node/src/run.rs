@@ -526,11 +526,6 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                         let h = handle.clone();
                         tokio::spawn(async move { h.ban(pid).await });
                     }
-                    if let Event::Restarted { peer: back } = &e
-                        && let Some(&pid) = ids.get(back)
-                    {
-                        handle.restarted(pid);
-                    }
                     on_event(e, &peer, &ids, &mut tally);
                 }
             }
@@ -717,9 +712,6 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
             }
         }
         Event::Warning(w) => tracing::warn!("{w}"),
-        Event::Restarted { peer: back } => {
-            tracing::info!("{} restarted", peer_id(ids, back));
-        }
     }
 }
 

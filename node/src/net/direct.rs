@@ -347,14 +347,6 @@ impl DirectEndpoint {
         self.lock().remove(&peer);
     }
 
-    /// `peer` restarted: the connection to its earlier life is dead even if its idle timeout
-    /// has not noticed yet. Closes it; returns the address it was connected to.
-    pub fn restarted(&self, peer: PeerId) -> Option<SocketAddr> {
-        let conn = self.lock().remove(&peer)?;
-        conn.close(0u32.into(), b"restarted");
-        Some(conn.remote_address())
-    }
-
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<PeerId, quinn::Connection>> {
         self.connections.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -261,19 +261,6 @@ impl NodeHandle {
             .context("node stopped")
     }
 
-    /// `peer` restarted (its announcements say so): the direct connection to its earlier
-    /// life is dropped, and so is the address it had there, unless its new life already
-    /// advertised another. Transfers go over libp2p until it advertises one.
-    pub fn restarted(&self, peer: PeerId) {
-        let Some(old) = self.direct.as_ref().and_then(|e| e.restarted(peer)) else {
-            return;
-        };
-        let mut addrs = self.direct_addrs.lock().unwrap_or_else(|e| e.into_inner());
-        if addrs.get(&peer) == Some(&old) {
-            addrs.remove(&peer);
-        }
-    }
-
     /// Opens a raw tensor stream to `peer`, for tools that speak the framing themselves.
     pub async fn open_tensor_stream(
         &self,

@@ -244,12 +244,6 @@ pub enum Event {
         /// What was wrong.
         what: &'static str,
     },
-    /// `peer` announced a new life: it restarted, and connections to its earlier life are
-    /// dead (what it had under way is dropped, see `Peer::on_announce`).
-    Restarted {
-        /// Who.
-        peer: PeerKey,
-    },
     /// A majority of `peer`'s stage accused it (see [`super::bans`]): it is dropped for the
     /// rest of the run.
     Banned {

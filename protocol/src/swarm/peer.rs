@@ -656,18 +656,6 @@ impl Peer {
                 .violation(from, "an announcement with values out of the run's range");
             return;
         }
-        if self
-            .members
-            .get(from)
-            .is_some_and(|m| m.announcement.incarnation != a.incarnation)
-        {
-            // It restarted. What its previous life had under way (a round it joined or led,
-            // microbatches routed through it, a state it was sending) died with it: dropped
-            // as if it had left, rather than waited for until each times out, and its new
-            // life starts as a new member.
-            self.peer_gone(from, now);
-            self.out.event(Event::Restarted { peer: from });
-        }
         let known = self.members.get(from).map(|m| m.announcement.round);
         let known_stage = self.members.get(from).map(|m| m.announcement.stage);
         if known.is_none_or(|r| a.round > r) {
