@@ -7,21 +7,20 @@
 //! missing one (cudarc would panic on the call).
 //!
 //! Everything runs on one stream in order; the host waits only where it reads a result.
-//! Matrices are row-major as everywhere in shoal; cuBLAS is column-major, so a row-major
-//! product `C = op(A) op(B)` is issued as the column-major `Cᵀ = op(B)ᵀ op(A)ᵀ`, whose operands
-//! are the same memory read with the same leading dimensions.
+//! The products are in [`gemm`].
 
 use super::{
     AdamWUpdate, AttentionShape, Backend, BackendError, MatmulShape, Result, RowShape,
     check_host_len, check_len, dim,
 };
-use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
+use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, LaunchConfig, PushKernelArg,
 };
+use gemm::Operand;
 use std::sync::Arc;
+
+mod gemm;
 
 /// The CUDA C source of every kernel.
 pub const KERNELS: &str = include_str!("kernels.cu");
@@ -106,63 +105,6 @@ pub struct CudaBackend {
     blas: CudaBlas,
     kernels: Vec<(&'static str, CudaFunction)>,
     name: String,
-}
-
-/// A row-major operand of a product: buffer, offset, leading dimension (row stride),
-/// transposed or not, and the stride between batch members.
-#[derive(Clone, Copy)]
-struct Operand {
-    off: usize,
-    ld: usize,
-    trans: bool,
-    stride: usize,
-}
-
-impl Operand {
-    fn plain(ld: usize) -> Self {
-        Operand {
-            off: 0,
-            ld,
-            trans: false,
-            stride: 0,
-        }
-    }
-    fn t(self) -> Self {
-        Operand {
-            trans: true,
-            ..self
-        }
-    }
-    fn at(self, off: usize) -> Self {
-        Operand { off, ..self }
-    }
-    fn batched(self, stride: usize) -> Self {
-        Operand { stride, ..self }
-    }
-    /// One past the last element read for a `rows x cols` operand (as op(X) has them) in
-    /// `batch` members.
-    fn extent(&self, rows: usize, cols: usize, batch: usize) -> usize {
-        if rows == 0 || cols == 0 || batch == 0 {
-            return self.off;
-        }
-        let (r, c) = if self.trans {
-            (cols, rows)
-        } else {
-            (rows, cols)
-        };
-        self.off + (batch - 1) * self.stride + (r - 1) * self.ld + c
-    }
-    fn op(&self) -> cublasOperation_t {
-        if self.trans {
-            cublasOperation_t::CUBLAS_OP_T
-        } else {
-            cublasOperation_t::CUBLAS_OP_N
-        }
-    }
-}
-
-fn int(v: usize) -> i32 {
-    i32::try_from(v).expect("dimension over 2^31")
 }
 
 fn grid(groups: usize) -> LaunchConfig {
@@ -267,6 +209,27 @@ impl CudaBackend {
         })
     }
 
+    /// `acc[c] += the sum of partials[k][c]` over `chunks` rows of partials (the second pass of
+    /// a column reduction, see [`column_chunks`]).
+    fn add_partials(
+        &self,
+        acc: &mut CudaBuffer,
+        partials: &CudaView<'_, f32>,
+        chunks: u32,
+        width: usize,
+    ) -> Result<()> {
+        let w = dim(width);
+        launch!(
+            self,
+            "add_column_partials",
+            elementwise(width),
+            &mut acc.data,
+            partials,
+            &chunks,
+            &w
+        )
+    }
+
     fn kernel(&self, name: &str) -> &CudaFunction {
         &self
             .kernels
@@ -274,145 +237,6 @@ impl CudaBackend {
             .find(|(n, _)| *n == name)
             .expect("kernel compiled at start")
             .1
-    }
-
-    /// `C = alpha op(A) op(B) + beta C` for `batch` members, all row-major (see the module
-    /// docs for how this maps to cuBLAS).
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        (m, n, k, batch): (usize, usize, usize, usize),
-        a: (&CudaBuffer, Operand),
-        b: (&CudaBuffer, Operand),
-        c: (&mut CudaBuffer, Operand),
-        alpha: f32,
-        beta: f32,
-    ) -> Result<()> {
-        let (ab, ao) = a;
-        let (bb, bo) = b;
-        let (cb, co) = c;
-        if m == 0 || n == 0 || batch == 0 {
-            return Ok(());
-        }
-        assert!(ao.extent(m, k, batch) <= ab.len, "gemm A out of bounds");
-        assert!(bo.extent(k, n, batch) <= bb.len, "gemm B out of bounds");
-        assert!(co.extent(m, n, batch) <= cb.len, "gemm C out of bounds");
-        let cfg = GemmConfig {
-            transa: bo.op(),
-            transb: ao.op(),
-            m: int(n),
-            n: int(m),
-            k: int(k),
-            alpha,
-            lda: int(bo.ld),
-            ldb: int(ao.ld),
-            beta,
-            ldc: int(co.ld),
-        };
-        let av = ab.data.slice(ao.off..);
-        let bv = bb.data.slice(bo.off..);
-        let mut cv = cb.data.slice_mut(co.off..);
-        // SAFETY: the extents of all three operands were checked against their buffers.
-        unsafe {
-            if batch == 1 {
-                self.blas.gemm(cfg, &bv, &av, &mut cv)
-            } else {
-                self.blas.gemm_strided_batched(
-                    StridedBatchedConfig {
-                        gemm: cfg,
-                        batch_size: int(batch),
-                        stride_a: bo.stride as i64,
-                        stride_b: ao.stride as i64,
-                        stride_c: co.stride as i64,
-                    },
-                    &bv,
-                    &av,
-                    &mut cv,
-                )
-            }
-        }
-        .map_err(cuda_error)
-    }
-
-    /// [`Self::gemm`] for `groups` groups of `batch` members, each operand's group `g`
-    /// starting `g` times its group stride after group 0: one cuBLAS call over arrays of
-    /// pointers, where a call per group would cost a launch each (attention over many short
-    /// sequences is thousands of them).
-    #[allow(clippy::too_many_arguments)]
-    fn gemm_grouped(
-        &self,
-        (m, n, k, batch, groups): (usize, usize, usize, usize, usize),
-        a: (&CudaBuffer, Operand, usize),
-        b: (&CudaBuffer, Operand, usize),
-        c: (&mut CudaBuffer, Operand, usize),
-        alpha: f32,
-        beta: f32,
-    ) -> Result<()> {
-        let (ab, ao, ag) = a;
-        let (bb, bo, bg) = b;
-        let (cb, co, cg) = c;
-        if groups == 1 {
-            return self.gemm((m, n, k, batch), (ab, ao), (bb, bo), (cb, co), alpha, beta);
-        }
-        if m == 0 || n == 0 || k == 0 || batch == 0 || groups == 0 {
-            return Ok(());
-        }
-        let last = |o: Operand, g: usize| o.at(o.off + (groups - 1) * g);
-        assert!(
-            last(ao, ag).extent(m, k, batch) <= ab.len,
-            "gemm A out of bounds"
-        );
-        assert!(
-            last(bo, bg).extent(k, n, batch) <= bb.len,
-            "gemm B out of bounds"
-        );
-        assert!(
-            last(co, cg).extent(m, n, batch) <= cb.len,
-            "gemm C out of bounds"
-        );
-        let (a_base, _a_sync) = ab.data.device_ptr(&self.stream);
-        let (b_base, _b_sync) = bb.data.device_ptr(&self.stream);
-        let (c_base, _c_sync) = cb.data.device_ptr_mut(&self.stream);
-        let pointers = |base: u64, o: Operand, g: usize| -> Vec<u64> {
-            (0..groups)
-                .flat_map(|gi| (0..batch).map(move |bi| o.off + gi * g + bi * o.stride))
-                .map(|at| base + (at * size_of::<f32>()) as u64)
-                .collect()
-        };
-        let upload = |p: Vec<u64>| self.stream.clone_htod(&p).map_err(cuda_error);
-        let (pa, pb, pc) = (
-            upload(pointers(a_base, ao, ag))?,
-            upload(pointers(b_base, bo, bg))?,
-            upload(pointers(c_base, co, cg))?,
-        );
-        let (pa_ptr, _pa_sync) = pa.device_ptr(&self.stream);
-        let (pb_ptr, _pb_sync) = pb.device_ptr(&self.stream);
-        let (pc_ptr, _pc_sync) = pc.device_ptr(&self.stream);
-        // Column-major, as in `gemm`: Cᵀ = op(B)ᵀ op(A)ᵀ.
-        // SAFETY: every member's extent lies within its buffer (checked above for the last
-        // group, whose members end furthest), and the pointer arrays live on the stream until
-        // the product that reads them has run (they are freed in stream order).
-        unsafe {
-            cudarc::cublas::sys::cublasSgemmBatched(
-                *self.blas.handle(),
-                bo.op(),
-                ao.op(),
-                int(n),
-                int(m),
-                int(k),
-                &alpha,
-                pb_ptr as *const *const f32,
-                int(bo.ld),
-                pa_ptr as *const *const f32,
-                int(ao.ld),
-                &beta,
-                pc_ptr as *const *mut f32,
-                int(co.ld),
-                int(batch * groups),
-            )
-            .result()
-        }
-        .map_err(cuda_error)
     }
 }
 
@@ -687,25 +511,9 @@ impl Backend for CudaBackend {
             &width,
             &chunk
         )?;
-        let bias_partials = partials.slice(chunks as usize * s.width..);
-        launch!(
-            self,
-            "add_column_partials",
-            elementwise(s.width),
-            &mut dbias.data,
-            &bias_partials,
-            &chunks,
-            &width
-        )?;
-        launch!(
-            self,
-            "add_column_partials",
-            elementwise(s.width),
-            &mut dweight.data,
-            &partials,
-            &chunks,
-            &width
-        )
+        let (weight_partials, bias_partials) = partials.split_at(chunks as usize * s.width);
+        self.add_partials(dbias, &bias_partials, chunks, s.width)?;
+        self.add_partials(dweight, &weight_partials, chunks, s.width)
     }
 
     fn matmul_forward(
@@ -787,15 +595,7 @@ impl Backend for CudaBackend {
                 &width,
                 &chunk
             )?;
-            launch!(
-                self,
-                "add_column_partials",
-                elementwise(oc),
-                &mut dbias.data,
-                &partials,
-                &chunks,
-                &width
-            )?;
+            self.add_partials(dbias, &partials.as_view(), chunks, oc)?;
         }
         Ok(())
     }
