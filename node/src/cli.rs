@@ -181,6 +181,11 @@ pub struct RunArgs {
     /// slowest stage's throughput by more than 25% (then it moves, after a random back-off).
     #[arg(long, default_value = "15", value_parser = positive_f32)]
     pub rebalance_every: f32,
+    /// Give up (exit with an error, after writing the checkpoint and the report) when the run
+    /// has made no step for this many seconds while some stage has no peer: the others left,
+    /// or the run ended without this peer. 0 waits for new peers forever.
+    #[arg(long, default_value = "300")]
+    pub stall_timeout: f32,
     /// How this peer shares out work: weighted (replicas by throughput and queue, skipping
     /// stragglers; a driver's part of a step by its throughput) or uniform (every replica and
     /// driver alike, however slow).

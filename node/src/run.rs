@@ -28,6 +28,9 @@ use tokio::sync::mpsc;
 mod checkpoint;
 mod run_report;
 
+/// Peers remembered as answered directly (see the run loop); forgotten all at once beyond it.
+const MAX_ANSWERED_DIRECTLY: usize = 4096;
+
 use checkpoint::{Checkpoint, check_run_config, load_checkpoint, save_checkpoint};
 use run_report::RunReport;
 
@@ -304,6 +307,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         ..Timing::default()
     };
     let costs = stage_costs(&config, &model, &timing);
+    let announce_every = timing.announce_every;
     let corpus = match &config.data {
         DataSource::Synthetic => Some(Corpus::synthetic(config.seed)),
         DataSource::TextFile { name, hash } => match &args.data {
@@ -403,18 +407,27 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let mut tally = Tally::default();
     let mut printed_join = false;
     let mut progress = Progress::new();
+    // This peer's latest announcement, for peers that announce directly (see below).
+    let mut announcement: Option<Vec<u8>> = None;
+    let mut answered_directly: HashMap<PeerKey, Instant> = HashMap::new();
     let mut timer = tokio::time::interval(Duration::from_millis(100));
     timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
-    let interrupted = loop {
+    let mut stall = Stall::new(args.stall_timeout)?;
+    let ending = loop {
         tokio::select! {
-            _ = &mut ctrl_c => break true,
+            _ = &mut ctrl_c => break Ending::Interrupted,
             _ = timer.tick() => {
                 if peer.poll_timeout().is_some_and(|t| t <= now()) {
                     peer.handle_timeout(now());
                 }
                 progress.maybe_print(&peer, &tally, start);
+                if tally.finished_at.is_none() {
+                    if let Some(why) = stall.check(&peer) {
+                        break Ending::Stalled(why);
+                    }
+                }
             }
             Some(event) = events.recv() => match event {
                 NodeEvent::Listening(addr) if is_dialable(&addr) => {
@@ -444,6 +457,25 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                 match Envelope::from_bytes(&frame.payload) {
                     Ok(env) if env.run == run_id => {
                         *tally.bytes_received.entry(env.msg.traffic()).or_default() += frame.payload.len() as u64;
+                        // A peer announces directly when it has no gossip mesh to publish into
+                        // (after a restart under the same identity, until its neighbours
+                        // reconnect): it would not hear this peer's gossip either, so it gets
+                        // this peer's announcement back, at most once per announcement period.
+                        if matches!(env.msg, Message::Announce(_)) {
+                            if answered_directly.len() > MAX_ANSWERED_DIRECTLY {
+                                answered_directly.clear();
+                            }
+                            let due = answered_directly
+                                .get(&k)
+                                .is_none_or(|t| t.elapsed() >= announce_every);
+                            if let (true, Some(bytes)) = (due, announcement.clone()) {
+                                answered_directly.insert(k, Instant::now());
+                                let (h, to) = (handle.clone(), frame.peer);
+                                tokio::spawn(async move {
+                                    let _ = h.send_frame(to, FrameKind::Tensor, &bytes).await;
+                                });
+                            }
+                        }
                         peer.handle_message(k, env.msg, now());
                     }
                     Ok(env) => tracing::debug!(peer = %frame.peer, "message of run {}", env.run),
@@ -496,6 +528,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                         msg: Message::Announce(a),
                     }
                     .to_bytes();
+                    announcement = Some(bytes.clone());
                     let h = handle.clone();
                     let known: Vec<PeerId> = ids.values().copied().collect();
                     tokio::spawn(async move {
@@ -533,7 +566,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         if let Some(t) = tally.finished_at {
             // Linger so replicas still finishing can fetch what they need.
             if t.elapsed() > Duration::from_secs(3) {
-                break false;
+                break Ending::Done;
             }
         }
     };
@@ -568,7 +601,11 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     });
     println!(
         "{}: stage {} at step {}, {} microbatches ({} retried, {} dropped), {:.0} tokens/s{}",
-        if interrupted { "stopped" } else { "done" },
+        match ending {
+            Ending::Done => "done",
+            Ending::Interrupted => "stopped",
+            Ending::Stalled(_) => "gave up",
+        },
         peer.stage().map_or("-".into(), |s| s.to_string()),
         peer.step(),
         stats.microbatches_done,
@@ -622,7 +659,63 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         };
         report::write_json(path, &report)?;
     }
-    Ok(())
+    match ending {
+        Ending::Stalled(why) => bail!("{why}"),
+        Ending::Done | Ending::Interrupted => Ok(()),
+    }
+}
+
+/// How the run loop ended.
+enum Ending {
+    /// The run reached its last step.
+    Done,
+    /// Ctrl-C.
+    Interrupted,
+    /// No step for `--stall-timeout` with a stage unserved: why.
+    Stalled(String),
+}
+
+/// Watches for a run that cannot go on: no step for `limit` while some stage has no peer.
+struct Stall {
+    limit: Option<Duration>,
+    step: u64,
+    since: Instant,
+}
+
+impl Stall {
+    fn new(seconds: f32) -> anyhow::Result<Self> {
+        let limit = Duration::try_from_secs_f32(seconds)
+            .with_context(|| format!("--stall-timeout {seconds}"))?;
+        Ok(Stall {
+            limit: (!limit.is_zero()).then_some(limit),
+            step: 0,
+            since: Instant::now(),
+        })
+    }
+
+    /// Why the run should be given up, once it should.
+    fn check(&mut self, peer: &Peer) -> Option<String> {
+        let counts = peer.stage_replicas();
+        let unserved: Vec<String> = (0..counts.len())
+            .filter(|s| counts[*s] == 0)
+            .map(|s| s.to_string())
+            .collect();
+        if peer.step() != self.step || unserved.is_empty() {
+            self.step = peer.step();
+            self.since = Instant::now();
+            return None;
+        }
+        let limit = self.limit?;
+        (self.since.elapsed() >= limit).then(|| {
+            format!(
+                "no step for {:.0} s (at step {}) while no peer serves stage {}: the others left, \
+                 or the run ended without this peer (--stall-timeout)",
+                limit.as_secs_f64(),
+                self.step,
+                unserved.join(", ")
+            )
+        })
+    }
 }
 
 fn is_dialable(addr: &Multiaddr) -> bool {

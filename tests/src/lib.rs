@@ -327,8 +327,18 @@ impl RunProcess {
 
     /// Waits for the process to exit by itself and returns its report.
     pub fn finish(&mut self, timeout: Duration) -> Value {
+        self.wait_exit(timeout);
+        self.report()
+    }
+
+    /// Waits for the process to exit by itself; its exit status.
+    pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + timeout;
-        while self.is_running() {
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                self.take_lines();
+                return status;
+            }
             self.take_lines();
             assert!(
                 Instant::now() < deadline,
@@ -338,7 +348,10 @@ impl RunProcess {
             );
             std::thread::sleep(Duration::from_millis(200));
         }
-        self.take_lines();
+    }
+
+    /// The JSON report it wrote on exit.
+    pub fn report(&self) -> Value {
         let text = std::fs::read_to_string(&self.report)
             .unwrap_or_else(|e| panic!("{}: no report ({e}); output: {:?}", self.name, self.seen));
         serde_json::from_str(&text).expect("report is JSON")

@@ -333,3 +333,52 @@ fn a_peer_moves_to_the_starved_stage_and_training_goes_on() {
     verify(&reports, &run_id);
     loss_fell(&reports, 1, "rebalanced");
 }
+
+/// A peer left alone (the only peer of the other stage is killed) gives up after
+/// `--stall-timeout` with an error, leaving its report and checkpoint, instead of waiting for
+/// peers forever.
+#[test]
+fn a_peer_left_alone_gives_up_with_an_error() {
+    let _turn = ONE_SWARM_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("run-alone");
+    let creator_args: Vec<String> = [
+        "--preset",
+        "nano",
+        "--stages",
+        "2",
+        "--global-batch",
+        "16",
+        "--microbatch",
+        "8",
+        "--max-steps",
+        "100000",
+        "--stage",
+        "0",
+        "--stall-timeout",
+        "5",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut creator = start(&dir, "p0", &creator_args);
+    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
+    let words: Vec<&str> = join.split_whitespace().collect();
+    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1].to_owned();
+    let joiner_args: Vec<String> = vec![
+        "--run".into(),
+        after("--run"),
+        "--bootstrap".into(),
+        after("--bootstrap"),
+        "--stage".into(),
+        "1".into(),
+    ];
+    let mut other = start(&dir, "p1", &joiner_args);
+    creator.wait_step(5, LONG);
+    other.kill();
+    let status = creator.wait_exit(Duration::from_secs(120));
+    assert!(!status.success(), "a peer left alone exits with an error");
+    let report = creator.report();
+    assert!(report["steps"].as_u64().unwrap() >= 5, "{report}");
+    assert!(dir.join("p0-ckpt").join("stage.ckpt").exists());
+}

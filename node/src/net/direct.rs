@@ -221,6 +221,9 @@ pub struct DirectEndpoint {
     ip_slots: super::ip_limits::IpSlots,
     /// Peers cut off (see [`DirectEndpoint::ban`]).
     banned: Mutex<HashSet<PeerId>>,
+    /// Inbound connections open now, by peer: a ban closes them at once, not at the peer's
+    /// next stream.
+    inbound_conns: Mutex<HashMap<PeerId, Vec<quinn::Connection>>>,
 }
 
 impl DirectEndpoint {
@@ -270,6 +273,7 @@ impl DirectEndpoint {
             max_inbound,
             ip_slots,
             banned: Mutex::default(),
+            inbound_conns: Mutex::default(),
         }))
     }
 
@@ -321,8 +325,8 @@ impl DirectEndpoint {
         Ok(DirectStream { send, recv })
     }
 
-    /// Cuts `peer` off: the connection to it closes, and its connections are closed at their
-    /// next stream (and at once, when the handshake names it).
+    /// Cuts `peer` off: the connection to it and its connections here close, and new ones
+    /// from it are closed as soon as the handshake names it.
     pub fn ban(&self, peer: PeerId) {
         self.banned
             .lock()
@@ -331,6 +335,19 @@ impl DirectEndpoint {
         if let Some(conn) = self.lock().remove(&peer) {
             conn.close(BANNED, b"banned");
         }
+        let inbound = self.inbound_lock().remove(&peer).unwrap_or_default();
+        for conn in inbound {
+            conn.close(BANNED, b"banned");
+        }
+    }
+
+    /// Inbound connections from `peer` open now.
+    pub fn inbound_from(&self, peer: PeerId) -> usize {
+        self.inbound_lock().get(&peer).map_or(0, Vec::len)
+    }
+
+    fn inbound_lock(&self) -> std::sync::MutexGuard<'_, HashMap<PeerId, Vec<quinn::Connection>>> {
+        self.inbound_conns.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn is_banned(&self, peer: PeerId) -> bool {
@@ -380,12 +397,28 @@ impl DirectEndpoint {
                 if let Ok(Ok(conn)) = tokio::time::timeout(CONNECT_TIMEOUT, incoming).await {
                     match remote_peer(&conn) {
                         Some(peer) => {
+                            this.inbound_lock()
+                                .entry(peer)
+                                .or_default()
+                                .push(conn.clone());
+                            // Checked after registering: a ban in between closes it either way.
+                            if this.is_banned(peer) {
+                                conn.close(BANNED, b"banned");
+                            }
                             while let Ok((send, recv)) = conn.accept_bi().await {
                                 if this.is_banned(peer) {
                                     conn.close(BANNED, b"banned");
                                     break;
                                 }
                                 admit(peer, DirectStream { send, recv });
+                            }
+                            let id = conn.stable_id();
+                            let mut open = this.inbound_lock();
+                            if let Some(list) = open.get_mut(&peer) {
+                                list.retain(|c| c.stable_id() != id);
+                                if list.is_empty() {
+                                    open.remove(&peer);
+                                }
                             }
                         }
                         None => conn.close(1u32.into(), b"no libp2p identity"),

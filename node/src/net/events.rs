@@ -92,24 +92,50 @@ pub(super) struct SwarmState {
     pub(super) kept: HashSet<PeerId>,
     /// When each connected peer's first connection came up.
     pub(super) connected_since: HashMap<PeerId, std::time::Instant>,
+    /// Peers known here to subscribe to the run's topic.
+    pub(super) subscribed: HashSet<PeerId>,
+    /// Peers that forwarded the run's gossip here while their subscription to the topic was
+    /// unknown here, since when.
+    pub(super) unsubscribed_gossip: HashMap<PeerId, std::time::Instant>,
+    /// Peers disconnected to be dialled again once their last connection has closed.
+    pub(super) redial: HashSet<PeerId>,
 }
 
 impl SwarmState {
     /// Disconnects peers connected for longer than [`OUTSIDE_RUN_GRACE`] that have not joined
-    /// the run's topic.
-    fn prune_outsiders(&mut self, swarm: &mut Swarm<Behaviour>) {
-        let in_run: HashSet<PeerId> = swarm
-            .behaviour()
-            .gossipsub
-            .all_peers()
-            .filter(|(_, topics)| topics.contains(&&self.topic))
+    /// the run's topic, and reconnects run peers whose subscriptions never reached this node.
+    ///
+    /// gossipsub sends its subscriptions only on a peer's first connection. When this node
+    /// restarts under the same identity, its neighbours still hold a connection to its previous
+    /// life until that times out, so the new connection is not their first: they never tell
+    /// this node what they subscribe to, and it can publish to nobody (and would prune them as
+    /// outsiders). They do forward the run's gossip here; once that has gone on for
+    /// [`STALE_SUBSCRIPTIONS_AFTER`], the old connection is gone at their end, and a fresh
+    /// connection makes them send their subscriptions again.
+    pub(super) fn prune_outsiders(&mut self, swarm: &mut Swarm<Behaviour>) {
+        let in_run = &self.subscribed;
+        self.unsubscribed_gossip
+            .retain(|p, _| !in_run.contains(p) && swarm.is_connected(p));
+        let stale: Vec<PeerId> = self
+            .unsubscribed_gossip
+            .iter()
+            .filter(|(_, since)| since.elapsed() > STALE_SUBSCRIPTIONS_AFTER)
             .map(|(p, _)| *p)
             .collect();
+        for peer in stale {
+            tracing::info!(%peer, "reconnecting: its subscriptions never reached this node");
+            self.unsubscribed_gossip.remove(&peer);
+            self.redial.insert(peer);
+            let _ = swarm.disconnect_peer_id(peer);
+        }
         let outsiders: Vec<PeerId> = self
             .connected_since
             .iter()
             .filter(|(p, since)| {
-                since.elapsed() > OUTSIDE_RUN_GRACE && !in_run.contains(p) && !self.kept.contains(p)
+                since.elapsed() > OUTSIDE_RUN_GRACE
+                    && !in_run.contains(p)
+                    && !self.kept.contains(p)
+                    && !self.redial.contains(p)
             })
             .map(|(p, _)| *p)
             .collect();
@@ -174,6 +200,13 @@ impl SwarmState {
             } => {
                 self.remote_ips.remove(&peer_id);
                 self.connected_since.remove(&peer_id);
+                self.subscribed.remove(&peer_id);
+                if self.redial.remove(&peer_id) {
+                    // Known to Kademlia, which holds its listen addresses.
+                    if let Err(e) = swarm.dial(peer_id) {
+                        tracing::debug!(peer = %peer_id, "redial failed: {e}");
+                    }
+                }
                 self.direct_addrs
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
@@ -244,12 +277,30 @@ impl SwarmState {
                     .gossipsub
                     .report_message_validation_result(&message_id, &propagation_source, verdict);
                 if let Some(from) = valid {
+                    if !self.subscribed.contains(&propagation_source) {
+                        self.unsubscribed_gossip
+                            .entry(propagation_source)
+                            .or_insert_with(std::time::Instant::now);
+                    }
                     out.push(NodeEvent::Gossip {
                         from,
                         via: propagation_source,
                         data: message.data,
                     });
                 }
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Subscribed {
+                peer_id,
+                topic,
+            })) if topic == self.topic => {
+                self.subscribed.insert(peer_id);
+                self.unsubscribed_gossip.remove(&peer_id);
+            }
+            SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Unsubscribed {
+                peer_id,
+                topic,
+            })) if topic == self.topic => {
+                self.subscribed.remove(&peer_id);
             }
             SwarmEvent::Behaviour(BehaviourEvent::RelayClient(
                 relay::client::Event::ReservationReqAccepted { relay_peer_id, .. },

@@ -51,8 +51,14 @@ const SWARM_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
 /// A connected peer that has not joined the run's topic by then is disconnected (unless it is
 /// a bootstrap peer or a relay this node uses): connection slots are for the run.
 const OUTSIDE_RUN_GRACE: Duration = Duration::from_secs(60);
-/// How often connections of peers outside the run are looked for.
-const PRUNE_EVERY: Duration = Duration::from_secs(15);
+/// How often connections of peers outside the run, and of run peers whose subscriptions never
+/// reached this node, are looked for.
+const PRUNE_EVERY: Duration = Duration::from_secs(5);
+/// A peer that forwards the run's gossip to this node although its subscription to the topic
+/// never reached it, for this long, is reconnected (see `SwarmState::prune_outsiders`): longer
+/// than the idle timeout, so that a connection the peer still held to this node's previous
+/// life has closed by then and the new one is its first again.
+const STALE_SUBSCRIPTIONS_AFTER: Duration = Duration::from_millis(IDLE_TIMEOUT_MS as u64 + 2_000);
 /// Attempts at sending a frame that receivers drop unread because they are momentarily full.
 const REFUSED_ATTEMPTS: u32 = 10;
 
@@ -633,6 +639,9 @@ pub async fn start(
             })
             .collect(),
         connected_since: HashMap::new(),
+        subscribed: HashSet::new(),
+        unsubscribed_gossip: HashMap::new(),
+        redial: HashSet::new(),
     };
     tokio::spawn(events::event_loop(
         swarm, topic, state, command_rx, event_tx,

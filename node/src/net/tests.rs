@@ -158,7 +158,15 @@ async fn a_banned_peer_is_cut_off_and_cannot_come_back() {
             .expect("delivered before the ban");
         assert_eq!(next_frame(&mut inbound).await.payload, b"before");
 
+        let direct_from = |node: &NodeHandle| {
+            node.direct
+                .as_ref()
+                .map_or(0, |d| d.inbound_from(sender.peer_id))
+        };
+        assert_eq!(direct_from(&receiver), usize::from(direct));
         receiver.ban(sender.peer_id).await.expect("ban");
+        // Its direct connection closes with the ban, not at its next stream.
+        assert_eq!(direct_from(&receiver), 0);
         let banned = sender.peer_id;
         until(&mut events, |e| {
             matches!(e, NodeEvent::Disconnected(p) if p == banned).then_some(())

@@ -115,8 +115,11 @@ impl Peer {
         if let Some(r) = resume {
             peer.role.resume(r.stage);
             peer.steps.set_position(r.step, r.round, false);
-            peer.steps
-                .start_serving(Some(r.hash), now + timing.announce_every);
+            // A restarted replica knows nobody yet: it listens as long as a joiner does before
+            // it takes a step or starts a round, so that it hears its stage (and catches up)
+            // rather than training alone at its checkpoint's round.
+            let listen = timing.choose_after.max(timing.announce_every);
+            peer.steps.start_serving(Some(r.hash), now + listen);
             peer.out.event(Event::Serving {
                 stage: r.stage,
                 step: r.step,

@@ -248,15 +248,29 @@ impl Role {
         now: Duration,
     ) -> Option<Move> {
         let planned = |at: Option<Duration>| at.is_some_and(|t| now >= t);
-        if now < self.next_rebalance && !planned(self.move_at) {
+        let due = now >= self.next_rebalance;
+        if !due && !planned(self.move_at) {
+            return None;
+        }
+        if busy && self.phase == Phase::Serving {
+            // In a round: look again shortly. (Skipping the whole period instead left a
+            // stage starved for good where rounds take most of the time: in allreduce, every
+            // step has one.)
+            let soon = now + timing.announce_every;
+            if due {
+                self.next_rebalance = soon;
+            }
+            if planned(self.move_at) {
+                self.move_at = Some(soon);
+            }
             return None;
         }
         let gain = timing.rebalance_gain;
-        let mine = (self.phase == Phase::Serving && !busy)
+        let mine = (self.phase == Phase::Serving)
             .then(|| plan_move(placements, &costs.flops_per_sample, &costs.memory, gain))
             .flatten()
             .filter(|m| m.peer == me);
-        if now >= self.next_rebalance {
+        if due {
             self.next_rebalance = now + timing.rebalance_every;
             if mine.is_some() {
                 let wait = timing.rebalance_every.as_secs_f64() * 0.5 * rng.next_f64();
@@ -587,5 +601,21 @@ mod tests {
         assert_eq!(r.move_at, None);
         r.consider_move(ME, &swarm, &c, &t, true, &mut rng, 3 * first);
         assert_eq!(r.move_at, None);
+        // ...but a round does not cost the period: the peer looks again an announcement
+        // period later, and a move planned for the middle of a round waits for its end.
+        let soon = 3 * first + t.announce_every;
+        assert_eq!(r.next_timeout(), Some(soon));
+        r.consider_move(ME, &swarm, &c, &t, false, &mut rng, soon);
+        let at = r.move_at.expect("a move is planned after the round");
+        assert_eq!(
+            r.consider_move(ME, &swarm, &c, &t, true, &mut rng, at),
+            None
+        );
+        let later = at + t.announce_every;
+        assert_eq!(r.move_at, Some(later));
+        assert!(
+            r.consider_move(ME, &swarm, &c, &t, false, &mut rng, later)
+                .is_some()
+        );
     }
 }
