@@ -223,6 +223,13 @@ impl<B: Backend> LocalPipeline<B> {
                 s.upload_grads(&g)?;
             }
         }
+        self.apply_step(loss)
+    }
+
+    /// The optimizer step on the gradients the stages hold (accumulated here, or uploaded, as
+    /// replicas do with their averaged gradients): reduce, clip, AdamW, zero the gradients.
+    /// `loss` is reported as the step's.
+    pub fn apply_step(&mut self, loss: f32) -> Result<StepStats, StageError> {
         let lr = self.schedule.lr(self.step);
         let grad_norm = match self.coupling {
             Coupling::Joint => {

@@ -336,6 +336,28 @@ pub struct TrainArgs {
     /// trains its own copy of the tied embedding).
     #[arg(long, value_enum, default_value = "joint")]
     pub coupling: CouplingArg,
+    /// Replicas training together, each on its share of every step's batch and its own data
+    /// shard, agreeing as a swarm's replicas do (see --sync). With more than one replica, a
+    /// DiLoCo sync or any codec other than fp32, training follows the swarm's arithmetic
+    /// (per-stage coupling, the swarm's averaging round) and the report counts the bytes sent.
+    #[arg(long, default_value = "1", value_parser = positive)]
+    pub replicas: usize,
+    /// How replicas stay together: allreduce (every step) or diloco.
+    #[arg(long, default_value = "allreduce")]
+    pub sync: shoal_protocol::swarm::SyncMode,
+    /// DiLoCo: local steps per outer round.
+    #[arg(long, default_value = "8", value_parser = positive)]
+    pub diloco_h: usize,
+    /// Codec of activations between stages (fp32, fp16, bf16, int8, int8:BLOCK, topk:P%[:int8]).
+    #[arg(long, default_value = "fp32")]
+    pub activation_codec: shoal_protocol::Codec,
+    /// Codec of activation gradients between stages.
+    #[arg(long, default_value = "fp32")]
+    pub gradient_codec: shoal_protocol::Codec,
+    /// Codec of the averaging between replicas (gradients in allreduce, pseudo-gradients in
+    /// DiLoCo).
+    #[arg(long, default_value = "fp32")]
+    pub averaging_codec: shoal_protocol::Codec,
     /// Write a JSON report here.
     #[arg(long)]
     pub report: Option<PathBuf>,

@@ -6,9 +6,17 @@ use anyhow::{Context, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use shoal_compute::data::TextCorpus;
-use shoal_compute::{AdamW, Corpus, DataLoader, LocalPipeline, LrSchedule, Shard, StageSpec};
+use shoal_compute::{
+    AdamW, AnyBackend, Corpus, DataLoader, LocalPipeline, LrSchedule, Shard, StageSpec,
+};
+use shoal_protocol::Codec;
+use shoal_protocol::swarm::SyncMode;
 use std::sync::Arc;
 use std::time::Instant;
+
+mod replicas;
+
+use replicas::{Replicas, Settings, Traffic};
 
 /// The JSON report of a training run.
 #[derive(Debug, Serialize)]
@@ -33,6 +41,55 @@ pub struct TrainReport {
     pub tokens_per_s: f64,
     pub seconds: f64,
     pub loss_curve: Vec<(usize, f64)>,
+    /// Replicas, and how they were kept together and what they sent (`--replicas`, `--sync`
+    /// and the codecs; absent for one model trained alone).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub swarm: Option<SwarmReport>,
+}
+
+/// What `shoal train` trained as a swarm would.
+#[derive(Debug, Serialize)]
+pub struct SwarmReport {
+    pub replicas: usize,
+    pub sync: String,
+    pub activation_codec: String,
+    pub gradient_codec: String,
+    pub averaging_codec: String,
+    /// Bytes sent by traffic kind (encoded, as the swarm sends them) and the same in fp32.
+    pub bytes: std::collections::BTreeMap<&'static str, u64>,
+    pub fp32_bytes: std::collections::BTreeMap<&'static str, u64>,
+}
+
+/// One model alone, or replicas of it trained as a swarm would.
+enum Trainer {
+    Alone {
+        pipeline: LocalPipeline<AnyBackend>,
+        loader: DataLoader,
+        microbatch: usize,
+    },
+    Swarm(Box<Replicas>),
+}
+
+impl Trainer {
+    fn step(&mut self, batch: usize) -> anyhow::Result<f32> {
+        match self {
+            Trainer::Alone {
+                pipeline,
+                loader,
+                microbatch,
+            } => Ok(pipeline
+                .train_step(&loader.next_batch(batch), *microbatch)?
+                .loss),
+            Trainer::Swarm(replicas) => replicas.step(),
+        }
+    }
+
+    fn param_count(&self) -> usize {
+        match self {
+            Trainer::Alone { pipeline, .. } => pipeline.param_count(),
+            Trainer::Swarm(r) => r.param_count(),
+        }
+    }
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
@@ -56,23 +113,63 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     };
     let loss_floor = corpus.loss_floor(seq);
     let data_name = corpus.describe();
-    let mut loader = DataLoader::new(corpus, args.seed, Shard::ALL, seq)?;
     let backend = Arc::new(args.device.open()?);
     let schedule = LrSchedule::for_steps(
         args.lr.unwrap_or(args.preset.default_lr()),
         args.steps as u64,
     );
-    let mut pipeline = LocalPipeline::new(
-        backend.clone(),
-        config,
-        args.stages,
-        args.seed,
-        AdamW::default(),
-        schedule,
-    )?;
-    pipeline.set_coupling(args.coupling.into());
-    let params = pipeline.param_count();
+    let sync = match args.sync {
+        SyncMode::AllReduce => SyncMode::AllReduce,
+        SyncMode::DiLoCo { .. } => SyncMode::diloco(args.diloco_h as u32),
+    };
     let microbatch = args.microbatch.unwrap_or(args.batch).min(args.batch);
+    let as_swarm = args.replicas > 1
+        || sync != SyncMode::AllReduce
+        || [
+            args.activation_codec,
+            args.gradient_codec,
+            args.averaging_codec,
+        ]
+        .iter()
+        .any(|c| *c != Codec::Fp32);
+    let pipeline = || {
+        LocalPipeline::new(
+            backend.clone(),
+            config,
+            args.stages,
+            args.seed,
+            AdamW::default(),
+            schedule,
+        )
+    };
+    let mut trainer = if as_swarm {
+        let mut pipelines = Vec::with_capacity(args.replicas);
+        let mut shards = Vec::with_capacity(args.replicas);
+        for r in 0..args.replicas {
+            pipelines.push(pipeline()?);
+            let shard = Shard::new(r as u64, args.replicas as u64)?;
+            shards.push(DataLoader::new(corpus.clone(), args.seed, shard, seq)?);
+        }
+        let settings = Settings {
+            replicas: args.replicas,
+            sync,
+            batch: args.batch,
+            microbatch,
+            activation_codec: args.activation_codec,
+            gradient_codec: args.gradient_codec,
+            averaging_codec: args.averaging_codec,
+        };
+        Trainer::Swarm(Box::new(Replicas::new(pipelines, shards, settings)?))
+    } else {
+        let mut pipeline = pipeline()?;
+        pipeline.set_coupling(args.coupling.into());
+        Trainer::Alone {
+            pipeline,
+            loader: DataLoader::new(corpus, args.seed, Shard::ALL, seq)?,
+            microbatch,
+        }
+    };
+    let params = trainer.param_count();
     println!(
         "shoal train: {} ({} parameters) in {} stage(s) on {}, {} steps of {} x {} tokens, data: {}",
         args.preset,
@@ -84,6 +181,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         seq,
         data_name
     );
+    if as_swarm {
+        println!(
+            "as a swarm: {} replica(s), {sync} sync; codecs: activations {}, activation gradients {}, averaging {} (each stage clips its own gradient)",
+            args.replicas, args.activation_codec, args.gradient_codec, args.averaging_codec
+        );
+    }
 
     let bar = ProgressBar::new(args.steps as u64);
     bar.set_style(
@@ -94,19 +197,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut loss_curve = Vec::with_capacity(args.steps);
     let mut tokens = 0u64;
     for step in 0..args.steps {
-        let batch = loader.next_batch(args.batch);
-        let stats = pipeline.train_step(&batch, microbatch)?;
-        if !stats.loss.is_finite() {
+        let loss = trainer.step(args.batch)?;
+        if !loss.is_finite() {
             bar.abandon();
-            bail!(
-                "loss diverged to {} at step {step}; try a smaller --lr",
-                stats.loss
-            );
+            bail!("loss diverged to {loss} at step {step}; try a smaller --lr");
         }
         tokens += (args.batch * seq) as u64;
-        loss_curve.push((step + 1, stats.loss as f64));
+        loss_curve.push((step + 1, loss as f64));
         let rate = tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
-        bar.set_message(format!("loss {:.4}  {:.0} tok/s", stats.loss, rate));
+        bar.set_message(format!("loss {loss:.4}  {rate:.0} tok/s"));
         bar.inc(1);
     }
     bar.finish_and_clear();
@@ -134,6 +233,29 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             final_loss - floor
         );
     }
+    let swarm = match &trainer {
+        Trainer::Swarm(r) => {
+            let Traffic { bytes, fp32_bytes } = r.traffic();
+            for (kind, sent) in &bytes {
+                let raw = fp32_bytes.get(kind).copied().unwrap_or(0);
+                println!(
+                    "sent: {kind} {:.1} MB ({:.1}x fewer bytes than fp32)",
+                    *sent as f64 / 1e6,
+                    raw as f64 / (*sent).max(1) as f64
+                );
+            }
+            Some(SwarmReport {
+                replicas: args.replicas,
+                sync: sync.to_string(),
+                activation_codec: args.activation_codec.to_string(),
+                gradient_codec: args.gradient_codec.to_string(),
+                averaging_codec: args.averaging_codec.to_string(),
+                bytes,
+                fp32_bytes,
+            })
+        }
+        Trainer::Alone { .. } => None,
+    };
     if let Some(path) = &args.report {
         let report = TrainReport {
             preset: args.preset.to_string(),
@@ -152,6 +274,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             tokens_per_s,
             seconds,
             loss_curve,
+            swarm,
         };
         report::write_json(path, &report)?;
         println!("report: {}", path.display());

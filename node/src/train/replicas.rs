@@ -1,0 +1,461 @@
+//! `shoal train --replicas R`: a swarm's arithmetic in one process, to measure what its codecs
+//! and its synchronisation cost in quality at equal tokens, without a network.
+//!
+//! Each replica is a whole pipeline of the model with its own data shard and its share of
+//! every step's global batch, as the swarm's replicas of every stage would have. Tensors cross
+//! stage boundaries through an encode/decode round trip with the run's activation and
+//! activation-gradient codecs. Replicas agree as swarm replicas do: every step (allreduce: the
+//! sum of each replica's gradients over its samples), or every H local steps (DiLoCo: each
+//! replica's pseudo-gradient, weighted by its samples, then the outer Nesterov step). The
+//! average is the swarm round's: part `j` of each stage's vector is owned by replica `j`
+//! ([`part_range`]), every other replica's share of it is encoded and decoded on its way
+//! there, the owner reduces the shares with the swarm's [`robust::centered_clip`], and the part
+//! it sends back is encoded once and decoded by everyone, the owner included. The optimizer
+//! step is the replica step's: each stage clips its own gradient norm and trains its own copy
+//! of the tied embedding (`Coupling::PerStage`).
+//!
+//! Bytes are counted as the swarm sends them: every encoded tensor message (header
+//! included), by traffic kind, against the same tensors in fp32.
+
+use anyhow::{Context, bail};
+use serde::Serialize;
+use shoal_compute::{AnyBackend, Coupling, DataLoader, LocalPipeline, Transit};
+use shoal_protocol::swarm::SyncMode;
+use shoal_protocol::swarm::averaging::part_range;
+use shoal_protocol::swarm::robust::{self, Share};
+use shoal_protocol::{Codec, Decoder, Encoder};
+use std::collections::BTreeMap;
+
+/// Bytes sent by traffic kind, encoded and as fp32.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Traffic {
+    /// Encoded bytes (what the swarm would send).
+    pub bytes: BTreeMap<&'static str, u64>,
+    /// The same tensors in fp32 (4 bytes a value, no header).
+    pub fp32_bytes: BTreeMap<&'static str, u64>,
+}
+
+impl Traffic {
+    fn add(&mut self, kind: &'static str, encoded: usize, values: usize) {
+        *self.bytes.entry(kind).or_default() += encoded as u64;
+        *self.fp32_bytes.entry(kind).or_default() += 4 * values as u64;
+    }
+}
+
+/// Tensors between stages go through their codecs and are counted.
+struct Boundaries {
+    activations: Codec,
+    activation_grads: Codec,
+    encoder: Encoder,
+    decoder: Decoder,
+    buf: Vec<u8>,
+    traffic: Traffic,
+}
+
+impl Boundaries {
+    fn roundtrip(&mut self, codec: Codec, kind: &'static str, values: &mut Vec<f32>) {
+        let n = values.len();
+        // A codec that cannot encode these values (not finite) leaves them as they are; the
+        // loss then says so.
+        if self
+            .encoder
+            .encode(codec, values, &[n], &mut self.buf)
+            .is_ok()
+            && self.decoder.decode(&self.buf, values).is_ok()
+        {
+            self.traffic.add(kind, self.buf.len(), n);
+        }
+    }
+}
+
+impl Transit for Boundaries {
+    fn activations(&mut self, _from: usize, values: &mut Vec<f32>) {
+        self.roundtrip(self.activations, "activations", values);
+    }
+
+    fn activation_grads(&mut self, _from: usize, values: &mut Vec<f32>) {
+        self.roundtrip(self.activation_grads, "activation_grads", values);
+    }
+}
+
+/// What the replicas are told.
+pub struct Settings {
+    /// Replicas.
+    pub replicas: usize,
+    /// How they agree.
+    pub sync: SyncMode,
+    /// Samples per step over all replicas.
+    pub batch: usize,
+    /// Samples per microbatch.
+    pub microbatch: usize,
+    /// Codec of activations.
+    pub activation_codec: Codec,
+    /// Codec of activation gradients.
+    pub gradient_codec: Codec,
+    /// Codec of the averaging between replicas.
+    pub averaging_codec: Codec,
+}
+
+/// R replicas of a pipeline training together.
+pub struct Replicas {
+    pipelines: Vec<LocalPipeline<AnyBackend>>,
+    data: Vec<DataLoader>,
+    boundaries: Boundaries,
+    settings: Settings,
+    /// DiLoCo: each stage's parameters at the start of the outer round (the same on every
+    /// replica), and its outer momentum.
+    anchors: Vec<Vec<f32>>,
+    momentum: Vec<Vec<f32>>,
+    /// DiLoCo: local steps and samples since the last outer round, per replica.
+    inner_steps: usize,
+    samples_since_outer: Vec<f64>,
+    encoder: Encoder,
+    decoder: Decoder,
+    averaging: Traffic,
+}
+
+impl Replicas {
+    /// `pipelines` (one per replica, all from the same seed) and their data shards.
+    pub fn new(
+        mut pipelines: Vec<LocalPipeline<AnyBackend>>,
+        data: Vec<DataLoader>,
+        settings: Settings,
+    ) -> anyhow::Result<Self> {
+        if pipelines.len() != settings.replicas || data.len() != settings.replicas {
+            bail!("one pipeline and one data shard per replica");
+        }
+        if settings.batch < settings.replicas {
+            bail!(
+                "--batch {} gives some of the {} replicas no sample",
+                settings.batch,
+                settings.replicas
+            );
+        }
+        for p in &mut pipelines {
+            p.set_coupling(Coupling::PerStage);
+        }
+        let anchors = pipelines[0]
+            .stages()
+            .iter()
+            .map(|s| s.download_params())
+            .collect::<Result<Vec<_>, _>>()?;
+        let momentum = anchors.iter().map(|a| vec![0.0; a.len()]).collect();
+        Ok(Replicas {
+            samples_since_outer: vec![0.0; settings.replicas],
+            boundaries: Boundaries {
+                activations: settings.activation_codec,
+                activation_grads: settings.gradient_codec,
+                encoder: Encoder::new(),
+                decoder: Decoder::new(),
+                buf: Vec::new(),
+                traffic: Traffic::default(),
+            },
+            pipelines,
+            data,
+            settings,
+            anchors,
+            momentum,
+            inner_steps: 0,
+            encoder: Encoder::new(),
+            decoder: Decoder::new(),
+            averaging: Traffic::default(),
+        })
+    }
+
+    /// Replica `r`'s share of a step's batch (the remainder goes to the first replicas).
+    fn share(&self, r: usize) -> usize {
+        let (n, b) = (self.settings.replicas, self.settings.batch);
+        b / n + usize::from(r < b % n)
+    }
+
+    /// One step of the global batch; returns its mean loss over all replicas' samples.
+    pub fn step(&mut self) -> anyhow::Result<f32> {
+        let stages = self.anchors.len();
+        let mut loss_sum = 0.0f64;
+        let mut contributions: Vec<Vec<(Vec<f32>, f64)>> = vec![Vec::new(); stages];
+        for r in 0..self.settings.replicas {
+            let b = self.share(r);
+            let batch = self.data[r].next_batch(b);
+            let microbatch = self.settings.microbatch.min(b);
+            let pipeline = &mut self.pipelines[r];
+            let loss = pipeline.accumulate_via(&batch, microbatch, &mut self.boundaries)?;
+            loss_sum += f64::from(loss) * b as f64;
+            match self.settings.sync {
+                SyncMode::AllReduce => {
+                    // A replica's share is the sum of its samples' gradients.
+                    for (s, stage) in pipeline.stages().iter().enumerate() {
+                        let mut g = stage.download_grads()?;
+                        g.iter_mut().for_each(|v| *v *= b as f32);
+                        contributions[s].push((g, b as f64));
+                    }
+                }
+                SyncMode::DiLoCo { .. } => {
+                    pipeline.apply_step(loss)?;
+                    self.samples_since_outer[r] += b as f64;
+                }
+            }
+        }
+        match self.settings.sync {
+            SyncMode::AllReduce => {
+                for (s, contributions) in contributions.iter().enumerate() {
+                    let avg = self.average(contributions)?;
+                    for p in &mut self.pipelines {
+                        p.stages_mut()[s].upload_grads(&avg)?;
+                    }
+                }
+                for p in &mut self.pipelines {
+                    p.apply_step(0.0)?;
+                }
+            }
+            SyncMode::DiLoCo {
+                h,
+                outer_lr,
+                outer_momentum,
+            } => {
+                self.inner_steps += 1;
+                if self.inner_steps >= h as usize {
+                    self.outer_step(outer_lr, outer_momentum)?;
+                }
+            }
+        }
+        Ok((loss_sum / self.settings.batch as f64) as f32)
+    }
+
+    /// DiLoCo's outer round: every replica's pseudo-gradient (anchor minus parameters)
+    /// weighted by its samples, averaged, then `momentum = mu * momentum + avg` and `anchor -=
+    /// lr * (avg + mu * momentum)`; every replica restarts from the new anchor.
+    fn outer_step(&mut self, lr: f32, mu: f32) -> anyhow::Result<()> {
+        for s in 0..self.anchors.len() {
+            let mut contributions = Vec::with_capacity(self.pipelines.len());
+            for (p, samples) in self.pipelines.iter().zip(&self.samples_since_outer) {
+                let params = p.stages()[s].download_params()?;
+                let w = *samples as f32;
+                let pg: Vec<f32> = self.anchors[s]
+                    .iter()
+                    .zip(&params)
+                    .map(|(a, x)| (a - x) * w)
+                    .collect();
+                contributions.push((pg, *samples));
+            }
+            let avg = self.average(&contributions)?;
+            let (anchor, momentum) = (&mut self.anchors[s], &mut self.momentum[s]);
+            for ((a, m), g) in anchor.iter_mut().zip(momentum.iter_mut()).zip(&avg) {
+                *m = mu * *m + g;
+                *a -= lr * (g + mu * *m);
+            }
+            for p in &mut self.pipelines {
+                p.stages_mut()[s].upload_params(&self.anchors[s])?;
+            }
+        }
+        self.inner_steps = 0;
+        self.samples_since_outer.iter_mut().for_each(|s| *s = 0.0);
+        Ok(())
+    }
+
+    /// One stage's round among the replicas, as the swarm runs it (see the module docs):
+    /// `contributions` are each replica's sum over its samples and the samples behind it;
+    /// returns the per-sample average every replica applies.
+    fn average(&mut self, contributions: &[(Vec<f32>, f64)]) -> anyhow::Result<Vec<f32>> {
+        let n = contributions.len();
+        let len = contributions.first().map_or(0, |c| c.0.len());
+        let codec = self.settings.averaging_codec;
+        let mut out = vec![0.0f32; len];
+        let mut buf = Vec::new();
+        for owner in 0..n {
+            let range = part_range(len, n, owner);
+            let mut received: Vec<Vec<f32>> = Vec::with_capacity(n);
+            for (i, (values, _)) in contributions.iter().enumerate() {
+                let slice = &values[range.clone()];
+                if i == owner || n == 1 || slice.is_empty() {
+                    received.push(slice.to_vec());
+                    continue;
+                }
+                self.encoder
+                    .encode(codec, slice, &[slice.len()], &mut buf)
+                    .context("encoding a share")?;
+                self.averaging.add("averaging", buf.len(), slice.len());
+                let mut decoded = Vec::new();
+                self.decoder
+                    .decode(&buf, &mut decoded)
+                    .context("decoding a share")?;
+                received.push(decoded);
+            }
+            let shares: Vec<Share> = received
+                .iter()
+                .zip(contributions)
+                .map(|(values, (_, samples))| Share {
+                    values,
+                    samples: *samples,
+                })
+                .collect();
+            let part = robust::centered_clip(&shares, range.len()).mean;
+            if n == 1 || part.is_empty() {
+                out[range].copy_from_slice(&part);
+                continue;
+            }
+            // Sent once to each other replica; the owner applies the decoded values too.
+            self.encoder
+                .encode(codec, &part, &[part.len()], &mut buf)
+                .context("encoding a part")?;
+            for _ in 1..n {
+                self.averaging.add("averaging", buf.len(), part.len());
+            }
+            let mut decoded = Vec::new();
+            self.decoder
+                .decode(&buf, &mut decoded)
+                .context("decoding a part")?;
+            out[range].copy_from_slice(&decoded);
+        }
+        Ok(out)
+    }
+
+    /// Parameters trained by one replica.
+    pub fn param_count(&self) -> usize {
+        self.pipelines[0].param_count()
+    }
+
+    /// Bytes sent so far, by traffic kind.
+    pub fn traffic(&self) -> Traffic {
+        let mut t = self.boundaries.traffic.clone();
+        for (k, v) in &self.averaging.bytes {
+            *t.bytes.entry(k).or_default() += v;
+        }
+        for (k, v) in &self.averaging.fp32_bytes {
+            *t.fp32_bytes.entry(k).or_default() += v;
+        }
+        t
+    }
+
+    /// Every replica's parameters, stage by stage (replicas that agree hold the same).
+    #[cfg(test)]
+    fn params(&self) -> anyhow::Result<Vec<Vec<Vec<f32>>>> {
+        self.pipelines
+            .iter()
+            .map(|p| {
+                p.stages()
+                    .iter()
+                    .map(|s| s.download_params().map_err(Into::into))
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_compute::{AdamW, Corpus, LrSchedule, Preset, Shard};
+    use std::sync::Arc;
+
+    const SEED: u64 = 3;
+
+    fn pipeline(stages: usize) -> LocalPipeline<AnyBackend> {
+        let preset = Preset::Nano;
+        LocalPipeline::new(
+            Arc::new(AnyBackend::cpu(1).expect("cpu")),
+            preset.config(),
+            stages,
+            SEED,
+            AdamW::default(),
+            LrSchedule::for_steps(preset.default_lr(), 40),
+        )
+        .expect("pipeline")
+    }
+
+    fn data(r: usize, n: usize) -> DataLoader {
+        let shard = Shard::new(r as u64, n as u64).expect("shard");
+        let seq = Preset::Nano.config().context;
+        DataLoader::new(Corpus::synthetic(SEED), SEED, shard, seq).expect("data")
+    }
+
+    fn replicas(n: usize, stages: usize, sync: SyncMode, codec: Codec, batch: usize) -> Replicas {
+        let settings = Settings {
+            replicas: n,
+            sync,
+            batch,
+            microbatch: 4,
+            activation_codec: codec,
+            gradient_codec: codec,
+            averaging_codec: codec,
+        };
+        Replicas::new(
+            (0..n).map(|_| pipeline(stages)).collect(),
+            (0..n).map(|r| data(r, n)).collect(),
+            settings,
+        )
+        .expect("replicas")
+    }
+
+    /// One replica in allreduce, everything fp32, is the pipeline trained alone as a swarm
+    /// stage trains (per-stage coupling): the average of one share is its own mean.
+    #[test]
+    fn one_replica_steps_as_the_pipeline_alone() {
+        let mut alone = pipeline(2);
+        alone.set_coupling(Coupling::PerStage);
+        let mut loader = data(0, 1);
+        let mut one = replicas(1, 2, SyncMode::AllReduce, Codec::Fp32, 8);
+        for step in 0..20 {
+            let a = alone
+                .train_step(&loader.next_batch(8), 4)
+                .expect("step")
+                .loss;
+            let b = one.step().expect("step");
+            assert!((a - b).abs() <= 1e-4 * a.abs(), "step {step}: {a} vs {b}");
+        }
+    }
+
+    /// DiLoCo replicas drift apart during the local steps and hold the same parameters
+    /// after each outer round; in allreduce they agree after every step.
+    #[test]
+    fn replicas_agree_when_the_swarm_would() {
+        let same = |r: &Replicas| {
+            let params = r.params().expect("params");
+            params.iter().all(|p| *p == params[0])
+        };
+        let mut diloco = replicas(3, 2, SyncMode::diloco(2), Codec::Int8 { block: 64 }, 12);
+        diloco.step().expect("step");
+        assert!(!same(&diloco), "local steps on different data");
+        diloco.step().expect("step");
+        assert!(same(&diloco), "after the outer round");
+        let mut allreduce = replicas(2, 2, SyncMode::AllReduce, Codec::Int8 { block: 64 }, 8);
+        for _ in 0..3 {
+            allreduce.step().expect("step");
+            assert!(same(&allreduce));
+        }
+    }
+
+    /// Bytes are those of the swarm's messages: each microbatch's activations and their
+    /// gradients cross each boundary once, and a round of R replicas moves each stage's
+    /// vector twice (every share to its part's owner, every part back), less what stays
+    /// with the owner.
+    #[test]
+    fn bytes_are_counted_as_the_swarm_sends_them() {
+        let (n, batch, microbatch) = (2usize, 8usize, 4usize);
+        let codec = Codec::Int8 { block: 64 };
+        let mut r = replicas(n, 2, SyncMode::AllReduce, codec, batch);
+        let steps = 3;
+        for _ in 0..steps {
+            r.step().expect("step");
+        }
+        let t = r.traffic();
+        let config = Preset::Nano.config();
+        let per_microbatch = microbatch * config.context * config.width;
+        let microbatches = steps * batch / microbatch;
+        let boundary = (4 * per_microbatch * microbatches) as u64;
+        assert_eq!(t.fp32_bytes["activations"], boundary);
+        assert_eq!(t.fp32_bytes["activation_grads"], boundary);
+        let params: usize = r.pipelines[0]
+            .stages()
+            .iter()
+            .map(|s| s.param_count())
+            .sum();
+        // Shares: (n - 1) / n of the vector from each replica; parts: each owner's 1 / n to
+        // n - 1 others.
+        let per_round = 2 * (n - 1) * params;
+        assert_eq!(t.fp32_bytes["averaging"], (4 * per_round * steps) as u64);
+        for (kind, sent) in &t.bytes {
+            let ratio = t.fp32_bytes[kind] as f64 / *sent as f64;
+            assert!((3.5..4.0).contains(&ratio), "{kind}: int8 ratio {ratio}");
+        }
+    }
+}
