@@ -142,6 +142,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             schedule,
         )
     };
+    if args.replicas > args.batch {
+        bail!(
+            "--replicas {} is more than --batch {}: every replica needs a sample of each step",
+            args.replicas,
+            args.batch
+        );
+    }
     let mut trainer = if as_swarm {
         let mut pipelines = Vec::with_capacity(args.replicas);
         let mut shards = Vec::with_capacity(args.replicas);
