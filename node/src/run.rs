@@ -19,19 +19,20 @@ use shoal_protocol::swarm::{
 use shoal_protocol::{FrameKind, TrafficCodecs};
 use shoal_worker::{StageWorker, model_of, stage_costs};
 use std::collections::{BTreeMap, HashMap};
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 mod checkpoint;
+mod progress;
 mod run_report;
 
 /// Peers remembered as answered directly (see the run loop); forgotten all at once beyond it.
 const MAX_ANSWERED_DIRECTLY: usize = 4096;
 
 use checkpoint::{Checkpoint, check_run_config, load_checkpoint, save_checkpoint};
+use progress::{Progress, Stall};
 use run_report::RunReport;
 
 /// The run's configuration from the command line of the peer that creates it.
@@ -675,49 +676,6 @@ enum Ending {
     Stalled(String),
 }
 
-/// Watches for a run that cannot go on: no step for `limit` while some stage has no peer.
-struct Stall {
-    limit: Option<Duration>,
-    step: u64,
-    since: Instant,
-}
-
-impl Stall {
-    fn new(seconds: f32) -> anyhow::Result<Self> {
-        let limit = Duration::try_from_secs_f32(seconds)
-            .with_context(|| format!("--stall-timeout {seconds}"))?;
-        Ok(Stall {
-            limit: (!limit.is_zero()).then_some(limit),
-            step: 0,
-            since: Instant::now(),
-        })
-    }
-
-    /// Why the run should be given up, once it should.
-    fn check(&mut self, peer: &Peer) -> Option<String> {
-        let counts = peer.stage_replicas();
-        let unserved: Vec<String> = (0..counts.len())
-            .filter(|s| counts[*s] == 0)
-            .map(|s| s.to_string())
-            .collect();
-        if peer.step() != self.step || unserved.is_empty() {
-            self.step = peer.step();
-            self.since = Instant::now();
-            return None;
-        }
-        let limit = self.limit?;
-        (self.since.elapsed() >= limit).then(|| {
-            format!(
-                "no step for {:.0} s (at step {}) while no peer serves stage {}: the others left, \
-                 or the run ended without this peer (--stall-timeout)",
-                limit.as_secs_f64(),
-                self.step,
-                unserved.join(", ")
-            )
-        })
-    }
-}
-
 fn is_dialable(addr: &Multiaddr) -> bool {
     !addr.iter().any(|p| match p {
         Protocol::Ip4(ip) => ip.is_unspecified(),
@@ -805,78 +763,6 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
             }
         }
         Event::Warning(w) => tracing::warn!("{w}"),
-    }
-}
-
-/// The progress line: a status line on a terminal, a plain line every few seconds otherwise.
-struct Progress {
-    tty: bool,
-    last: Instant,
-    last_done: u64,
-}
-
-impl Progress {
-    fn new() -> Self {
-        Progress {
-            tty: std::io::stdout().is_terminal(),
-            last: Instant::now(),
-            last_done: 0,
-        }
-    }
-
-    fn maybe_print(&mut self, peer: &Peer, tally: &Tally, _start: Instant) {
-        let every = if self.tty {
-            Duration::from_millis(500)
-        } else {
-            Duration::from_secs(5)
-        };
-        if self.last.elapsed() < every {
-            return;
-        }
-        let stats = peer.stats();
-        let dt = self.last.elapsed().as_secs_f64();
-        let c = peer.config();
-        let tokens = (stats.microbatches_done - self.last_done) * (c.microbatch * c.seq) as u64;
-        self.last = Instant::now();
-        self.last_done = stats.microbatches_done;
-        let loss = tally
-            .loss_curve
-            .last()
-            .map_or("-".to_string(), |(_, l)| format!("{l:.4}"));
-        let counts = peer.stage_replicas();
-        let replicas: Vec<String> = counts.iter().map(|n| n.to_string()).collect();
-        let mut line = format!(
-            "stage {}  step {}/{}  loss {}  {:.0} tok/s  peers per stage [{}]",
-            peer.stage().map_or("-".into(), |s| s.to_string()),
-            peer.step(),
-            c.max_steps,
-            loss,
-            tokens as f64 / dt.max(1e-9),
-            replicas.join(" ")
-        );
-        // Nothing trains while a stage has no replica: say which, rather than count zeros.
-        let unserved: Vec<String> = (0..counts.len())
-            .filter(|s| counts[*s] == 0)
-            .map(|s| s.to_string())
-            .collect();
-        if !unserved.is_empty() {
-            line.push_str(&format!(
-                "  waiting: no peer serves stage {} yet",
-                unserved.join(", ")
-            ));
-        }
-        if self.tty {
-            print!("\r\x1b[2K{line}");
-            let _ = std::io::Write::flush(&mut std::io::stdout());
-        } else {
-            println!("{line}");
-        }
-    }
-
-    fn finish(&self) {
-        if self.tty {
-            println!();
-        }
     }
 }
 

@@ -1,0 +1,123 @@
+//! What a running peer shows of its progress, and when it gives up for want of any.
+
+use anyhow::Context;
+use shoal_protocol::swarm::Peer;
+use std::io::IsTerminal;
+use std::time::{Duration, Instant};
+
+use super::Tally;
+
+/// Watches for a run that cannot go on: no step for `limit` while some stage has no peer.
+pub(super) struct Stall {
+    limit: Option<Duration>,
+    step: u64,
+    since: Instant,
+}
+
+impl Stall {
+    pub(super) fn new(seconds: f32) -> anyhow::Result<Self> {
+        let limit = Duration::try_from_secs_f32(seconds)
+            .with_context(|| format!("--stall-timeout {seconds}"))?;
+        Ok(Stall {
+            limit: (!limit.is_zero()).then_some(limit),
+            step: 0,
+            since: Instant::now(),
+        })
+    }
+
+    /// Why the run should be given up, once it should.
+    pub(super) fn check(&mut self, peer: &Peer) -> Option<String> {
+        let counts = peer.stage_replicas();
+        let unserved: Vec<String> = (0..counts.len())
+            .filter(|s| counts[*s] == 0)
+            .map(|s| s.to_string())
+            .collect();
+        if peer.step() != self.step || unserved.is_empty() {
+            self.step = peer.step();
+            self.since = Instant::now();
+            return None;
+        }
+        let limit = self.limit?;
+        (self.since.elapsed() >= limit).then(|| {
+            format!(
+                "no step for {:.0} s (at step {}) while no peer serves stage {}: the others left, \
+                 or the run ended without this peer (--stall-timeout)",
+                limit.as_secs_f64(),
+                self.step,
+                unserved.join(", ")
+            )
+        })
+    }
+}
+
+/// The progress line: a status line on a terminal, a plain line every few seconds otherwise.
+pub(super) struct Progress {
+    tty: bool,
+    last: Instant,
+    last_done: u64,
+}
+
+impl Progress {
+    pub(super) fn new() -> Self {
+        Progress {
+            tty: std::io::stdout().is_terminal(),
+            last: Instant::now(),
+            last_done: 0,
+        }
+    }
+
+    pub(super) fn maybe_print(&mut self, peer: &Peer, tally: &Tally, _start: Instant) {
+        let every = if self.tty {
+            Duration::from_millis(500)
+        } else {
+            Duration::from_secs(5)
+        };
+        if self.last.elapsed() < every {
+            return;
+        }
+        let stats = peer.stats();
+        let dt = self.last.elapsed().as_secs_f64();
+        let c = peer.config();
+        let tokens = (stats.microbatches_done - self.last_done) * (c.microbatch * c.seq) as u64;
+        self.last = Instant::now();
+        self.last_done = stats.microbatches_done;
+        let loss = tally
+            .loss_curve
+            .last()
+            .map_or("-".to_string(), |(_, l)| format!("{l:.4}"));
+        let counts = peer.stage_replicas();
+        let replicas: Vec<String> = counts.iter().map(|n| n.to_string()).collect();
+        let mut line = format!(
+            "stage {}  step {}/{}  loss {}  {:.0} tok/s  peers per stage [{}]",
+            peer.stage().map_or("-".into(), |s| s.to_string()),
+            peer.step(),
+            c.max_steps,
+            loss,
+            tokens as f64 / dt.max(1e-9),
+            replicas.join(" ")
+        );
+        // Nothing trains while a stage has no replica: say which, rather than count zeros.
+        let unserved: Vec<String> = (0..counts.len())
+            .filter(|s| counts[*s] == 0)
+            .map(|s| s.to_string())
+            .collect();
+        if !unserved.is_empty() {
+            line.push_str(&format!(
+                "  waiting: no peer serves stage {} yet",
+                unserved.join(", ")
+            ));
+        }
+        if self.tty {
+            print!("\r\x1b[2K{line}");
+            let _ = std::io::Write::flush(&mut std::io::stdout());
+        } else {
+            println!("{line}");
+        }
+    }
+
+    pub(super) fn finish(&self) {
+        if self.tty {
+            println!();
+        }
+    }
+}
