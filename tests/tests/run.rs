@@ -37,6 +37,14 @@ fn start(dir: &Path, name: &str, args: &[String]) -> RunProcess {
     RunProcess::start(dir, name, &refs)
 }
 
+/// The run id and bootstrap address the creator prints for others to join with.
+fn run_to_join(creator: &mut RunProcess) -> (String, String) {
+    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
+    let words: Vec<&str> = join.split_whitespace().collect();
+    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1].to_owned();
+    (after("--run"), after("--bootstrap"))
+}
+
 fn stage_of(p: &mut RunProcess) -> u64 {
     let line = p.wait_line(LONG, |l| l.starts_with("serving stage"));
     line.split_whitespace().nth(2).unwrap().parse().unwrap()
@@ -67,10 +75,7 @@ fn swarm_trains(sync: &[&str], steps: u64, churn: bool) {
     .chain(sync.iter().map(|s| s.to_string()))
     .collect();
     let mut creator = start(&dir, "p0", &creator_args);
-    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
-    let words: Vec<&str> = join.split_whitespace().collect();
-    let run_id = words[words.iter().position(|w| *w == "--run").unwrap() + 1].to_owned();
-    let boot = words[words.iter().position(|w| *w == "--bootstrap").unwrap() + 1].to_owned();
+    let (run_id, boot) = run_to_join(&mut creator);
     let join_args = vec![
         "--run".to_string(),
         run_id.clone(),
@@ -299,14 +304,11 @@ fn a_peer_moves_to_the_starved_stage_and_training_goes_on() {
     .to_vec();
     creator_args.extend(quick.clone());
     let mut creator = start(&dir, "p0", &creator_args);
-    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
-    let words: Vec<&str> = join.split_whitespace().collect();
-    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1].to_owned();
-    let run_id = after("--run");
+    let (run_id, boot) = run_to_join(&mut creator);
     let mut peers = vec![creator];
     for (i, stage) in [(1, 0), (2, 0), (3, 1)] {
         let mut args = vec!["--run".into(), run_id.clone(), "--bootstrap".into()];
-        args.extend([after("--bootstrap"), "--stage".into(), stage.to_string()]);
+        args.extend([boot.clone(), "--stage".into(), stage.to_string()]);
         args.extend(quick.clone());
         peers.push(start(&dir, &format!("p{i}"), &args));
     }
@@ -362,14 +364,12 @@ fn a_peer_left_alone_gives_up_with_an_error() {
     .map(String::from)
     .to_vec();
     let mut creator = start(&dir, "p0", &creator_args);
-    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
-    let words: Vec<&str> = join.split_whitespace().collect();
-    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1].to_owned();
+    let (run_id, boot) = run_to_join(&mut creator);
     let joiner_args: Vec<String> = vec![
         "--run".into(),
-        after("--run"),
+        run_id,
         "--bootstrap".into(),
-        after("--bootstrap"),
+        boot,
         "--stage".into(),
         "1".into(),
     ];
