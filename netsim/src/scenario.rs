@@ -6,7 +6,9 @@ use serde::Deserialize;
 use shoal_compute::StageSpec;
 use shoal_protocol::swarm::attack::Behavior;
 use shoal_protocol::swarm::membership::Routing;
-use shoal_protocol::swarm::{DataSource, RunConfig, SyncMode};
+use shoal_protocol::swarm::{
+    DataSource, PAPER_OUTER_LR, PAPER_OUTER_MOMENTUM, RunConfig, SyncMode,
+};
 use shoal_protocol::{Codec, TrafficCodecs};
 
 /// A scenario as written.
@@ -40,6 +42,12 @@ pub struct RunSection {
     /// Inner steps per DiLoCo round.
     #[serde(default = "eight")]
     pub diloco_h: u32,
+    /// DiLoCo's outer learning rate (default: the paper's 0.7).
+    pub outer_lr: Option<f32>,
+    /// DiLoCo's outer momentum (default: the paper's 0.9).
+    pub outer_momentum: Option<f32>,
+    /// DiLoCo's error feedback decay per round (default: 1, plain feedback).
+    pub feedback_decay: Option<f32>,
     /// Samples per optimizer step.
     pub global_batch: u32,
     /// Samples per microbatch.
@@ -289,7 +297,12 @@ impl Scenario {
             .map_err(|e| format!("[run]: {e}"))?;
         let sync = match r.sync.as_str() {
             "allreduce" => SyncMode::AllReduce,
-            "diloco" if r.diloco_h >= 1 => SyncMode::diloco(r.diloco_h),
+            "diloco" if r.diloco_h >= 1 => SyncMode::DiLoCo {
+                h: r.diloco_h,
+                outer_lr: r.outer_lr.unwrap_or(PAPER_OUTER_LR),
+                outer_momentum: r.outer_momentum.unwrap_or(PAPER_OUTER_MOMENTUM),
+                feedback_decay: r.feedback_decay.unwrap_or(1.0),
+            },
             "diloco" => return Err("[run] diloco_h must be at least 1".into()),
             other => return Err(format!("[run] sync: '{other}' (allreduce or diloco)")),
         };

@@ -184,6 +184,21 @@ pub fn codec(args: BenchCodecArgs) -> anyhow::Result<()> {
             ppm: 1_000,
             values: ValueFormat::Fp16,
         },
+        Codec::ChunkTopK {
+            k: 256,
+            chunk: 4096,
+            bits: 2,
+        },
+        Codec::ChunkTopK {
+            k: 64,
+            chunk: 4096,
+            bits: 2,
+        },
+        Codec::ChunkTopK {
+            k: 32,
+            chunk: 4096,
+            bits: 2,
+        },
     ];
     let mut encoder = Encoder::new();
     let mut decoder = Decoder::new();

@@ -126,9 +126,8 @@ pub struct RunArgs {
     /// How replicas of a stage stay together: allreduce (every step) or diloco.
     #[arg(long, default_value = "allreduce")]
     pub sync: shoal_protocol::swarm::SyncMode,
-    /// DiLoCo: inner steps per outer round.
-    #[arg(long, default_value = "8", value_parser = positive)]
-    pub diloco_h: usize,
+    #[command(flatten)]
+    pub diloco: DiLoCoArgs,
     /// Samples per optimizer step, over all replicas of a stage.
     #[arg(long, default_value = "16", value_parser = positive)]
     pub global_batch: usize,
@@ -151,7 +150,8 @@ pub struct RunArgs {
     /// built-in synthetic corpus).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Codec of activations (fp32, fp16, bf16, int8, int8:BLOCK, topk:P%[:int8]).
+    /// Codec of activations (fp32, fp16, bf16, int8, int8:BLOCK, topk:P%[:int8],
+    /// ctopk:K/CHUNK:BITS).
     #[arg(long, default_value = "int8")]
     pub activation_codec: shoal_protocol::Codec,
     /// Codec of activation gradients.
@@ -345,10 +345,10 @@ pub struct TrainArgs {
     /// How replicas stay together: allreduce (every step) or diloco.
     #[arg(long, default_value = "allreduce")]
     pub sync: shoal_protocol::swarm::SyncMode,
-    /// DiLoCo: local steps per outer round.
-    #[arg(long, default_value = "8", value_parser = positive)]
-    pub diloco_h: usize,
-    /// Codec of activations between stages (fp32, fp16, bf16, int8, int8:BLOCK, topk:P%[:int8]).
+    #[command(flatten)]
+    pub diloco: DiLoCoArgs,
+    /// Codec of activations between stages (fp32, fp16, bf16, int8, int8:BLOCK, topk:P%[:int8],
+    /// ctopk:K/CHUNK:BITS).
     #[arg(long, default_value = "fp32")]
     pub activation_codec: shoal_protocol::Codec,
     /// Codec of activation gradients between stages.
@@ -403,4 +403,45 @@ pub struct BenchComputeArgs {
     /// Print one JSON object instead of a sentence.
     #[arg(long)]
     pub json: bool,
+}
+
+/// DiLoCo's settings, for `--sync diloco`.
+#[derive(Debug, Args)]
+pub struct DiLoCoArgs {
+    /// DiLoCo: local steps per outer round.
+    #[arg(long = "diloco-h", default_value = "8", value_parser = positive)]
+    pub h: usize,
+    /// DiLoCo: the outer step's learning rate (the paper's 0.7).
+    #[arg(long, default_value = "0.7")]
+    pub outer_lr: f32,
+    /// DiLoCo: the outer step's Nesterov momentum, in [0, 1) (the paper's 0.9).
+    #[arg(long, default_value = "0.9")]
+    pub outer_momentum: f32,
+    /// DiLoCo: decay per round of the error feedback of compressed pseudo-gradients, in
+    /// (0, 1] (1: plain error feedback; SparseLoCo's 0.95 with a sparse --averaging-codec).
+    #[arg(long, default_value = "1.0")]
+    pub feedback_decay: f32,
+}
+
+impl DiLoCoArgs {
+    /// `sync` with these settings (and them checked) where it is DiLoCo.
+    pub fn sync_mode(
+        &self,
+        sync: shoal_protocol::swarm::SyncMode,
+    ) -> anyhow::Result<shoal_protocol::swarm::SyncMode> {
+        use shoal_protocol::swarm::SyncMode;
+        let sync = match sync {
+            SyncMode::AllReduce => SyncMode::AllReduce,
+            SyncMode::DiLoCo { .. } => SyncMode::DiLoCo {
+                h: self.h as u32,
+                outer_lr: self.outer_lr,
+                outer_momentum: self.outer_momentum,
+                feedback_decay: self.feedback_decay,
+            },
+        };
+        sync.validate().map_err(|e| {
+            anyhow::anyhow!("{e} (--diloco-h, --outer-lr, --outer-momentum, --feedback-decay)")
+        })?;
+        Ok(sync)
+    }
 }

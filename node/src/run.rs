@@ -14,7 +14,7 @@ use shoal_node::net::{self, GossipCheck, NetConfig, NodeEvent, NodeHandle, ident
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
     Action, ComputeDone, DataSource, Envelope, Event, Job, Message, Peer, PeerKey, Resume,
-    RunConfig, RunId, SyncMode, Timing,
+    RunConfig, RunId, Timing,
 };
 use shoal_protocol::{FrameKind, TrafficCodecs};
 use shoal_worker::{StageWorker, model_of, stage_costs};
@@ -55,10 +55,7 @@ fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
             }
         }
     };
-    let sync = match args.sync {
-        SyncMode::AllReduce => SyncMode::AllReduce,
-        SyncMode::DiLoCo { .. } => SyncMode::diloco(args.diloco_h as u32),
-    };
+    let sync = args.diloco.sync_mode(args.sync)?;
     let config = RunConfig {
         preset: args.preset.name().to_string(),
         stages: args.stages as u32,
@@ -769,6 +766,7 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shoal_protocol::swarm::SyncMode;
 
     fn checkpoint() -> Checkpoint {
         Checkpoint {

@@ -34,6 +34,11 @@ pub struct TrainReport {
     /// this is an unbiased estimate of the loss on unseen data for the synthetic corpus).
     pub final_loss: f64,
     pub final_loss_window: usize,
+    /// Mean loss of the trained model on held-out samples ([`HELD_OUT_SAMPLES`] drawn with
+    /// their own seed), after the last step: the figure to compare runs by, less noisy than
+    /// the training loss. With replicas, replica 0's model (in DiLoCo the one every replica
+    /// agreed on when the steps are a multiple of H).
+    pub held_out_loss: f64,
     /// Best achievable loss at this sequence length (known for the synthetic corpus only).
     pub loss_floor: Option<f64>,
     /// Loss of the best model that ignores context (synthetic corpus only).
@@ -60,6 +65,11 @@ pub struct SwarmReport {
     pub fp32_bytes: std::collections::BTreeMap<&'static str, u64>,
 }
 
+/// Samples of the held-out evaluation.
+pub const HELD_OUT_SAMPLES: usize = 256;
+/// Its data seed's offset from the run's, so that no run trains on its own held-out samples.
+const HELD_OUT_SEED: u64 = 0x0004_e1d0;
+
 /// One model alone, or replicas of it trained as a swarm would.
 enum Trainer {
     Alone {
@@ -81,6 +91,13 @@ impl Trainer {
                 .train_step(&loader.next_batch(batch), *microbatch)?
                 .loss),
             Trainer::Swarm(replicas) => replicas.step(),
+        }
+    }
+
+    fn pipeline(&mut self) -> &mut LocalPipeline<AnyBackend> {
+        match self {
+            Trainer::Alone { pipeline, .. } => pipeline,
+            Trainer::Swarm(r) => r.first_pipeline(),
         }
     }
 
@@ -107,6 +124,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         None => Corpus::synthetic(args.seed),
     };
+    let mut held_out = DataLoader::new(
+        corpus.clone(),
+        args.seed.wrapping_add(HELD_OUT_SEED),
+        Shard::ALL,
+        seq,
+    )?;
     let unigram = match &corpus {
         Corpus::Synthetic(m) => Some(m.unigram_entropy()),
         Corpus::Text(_) => None,
@@ -118,10 +141,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         args.lr.unwrap_or(args.preset.default_lr()),
         args.steps as u64,
     );
-    let sync = match args.sync {
-        SyncMode::AllReduce => SyncMode::AllReduce,
-        SyncMode::DiLoCo { .. } => SyncMode::diloco(args.diloco_h as u32),
-    };
+    let sync = args.diloco.sync_mode(args.sync)?;
     let microbatch = args.microbatch.unwrap_or(args.batch).min(args.batch);
     let as_swarm = args.replicas > 1
         || sync != SyncMode::AllReduce
@@ -224,6 +244,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         .sum::<f64>()
         / window as f64;
     let tokens_per_s = tokens as f64 / seconds.max(1e-9);
+    let held_out_loss = {
+        const EVAL_BATCH: usize = 32;
+        let mut sum = 0.0;
+        for _ in 0..HELD_OUT_SAMPLES / EVAL_BATCH {
+            sum += f64::from(
+                trainer
+                    .pipeline()
+                    .evaluate(&held_out.next_batch(EVAL_BATCH))?,
+            );
+        }
+        sum / (HELD_OUT_SAMPLES / EVAL_BATCH) as f64
+    };
 
     println!(
         "done: {} steps, {} tokens in {:.1} s ({:.0} tokens/s)",
@@ -233,6 +265,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         "loss: {:.4} at the start, {:.4} at the end (mean of the last {window} steps)",
         loss_curve[0].1, final_loss
     );
+    println!("      held-out loss {held_out_loss:.4} ({HELD_OUT_SAMPLES} unseen samples)");
     if let (Some(floor), Some(unigram)) = (loss_floor, unigram) {
         println!(
             "      the corpus's floor is {floor:.4} (best possible) and its unigram entropy {unigram:.4} \
@@ -276,6 +309,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             data: data_name,
             final_loss,
             final_loss_window: window,
+            held_out_loss,
             loss_floor,
             unigram_entropy: unigram,
             tokens_per_s,

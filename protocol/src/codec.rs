@@ -13,10 +13,13 @@
 //! * `int8`: blockwise absmax. Each block of `block` values stores one f32 scale
 //!   `absmax / 127` and one signed byte per value, so every value is within half a
 //!   quantisation step (`scale / 2`) of its original.
+//! * `int4`, `int2`: the same at 4 bits (levels -7..=7) and 2 bits (ternary), see [`lowbit`].
 //! * `topk`: the `k` largest-magnitude values (`k` a fraction of the tensor), indices
 //!   delta-coded as LEB128 varints (and zstd-compressed when that saves at least 10%), values in
 //!   fp16 or int8. Used with [`ErrorFeedback`], which carries what was not sent into the next
 //!   round so that nothing is lost over time, only delayed.
+//! * `ctopk`: chunked top-k, `K` values of every chunk of `C` in `B` bits each, positions
+//!   Rice-coded (see [`chunked`]): the update codec, with error feedback.
 //!
 //! zstd is used only on the index stream: on float data it gains 1.1-1.5x at a large cost in
 //! speed, while the delta-coded indices of a sparse tensor compress well.
@@ -30,7 +33,9 @@ use std::str::FromStr;
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 
+mod chunked;
 mod header;
+mod lowbit;
 mod values;
 
 pub use header::{Encoding, Shape, TensorHeader};
@@ -145,6 +150,13 @@ pub enum Codec {
         /// Values per scale.
         block: u32,
     },
+    /// Blockwise absmax at 4 or 2 bits.
+    LowBit {
+        /// Bits per value (4 or 2).
+        bits: u8,
+        /// Values per scale.
+        block: u32,
+    },
     /// Top-k sparsification.
     TopK {
         /// Fraction of values sent, in parts per million (10_000 = 1%).
@@ -152,7 +164,24 @@ pub enum Codec {
         /// How the kept values are stored.
         values: ValueFormat,
     },
+    /// Chunked top-k: the `k` largest magnitudes of every `chunk` values, each in `bits`
+    /// bits (sign included), positions Rice-coded.
+    ChunkTopK {
+        /// Values kept per chunk.
+        k: u32,
+        /// Values per chunk (a power of two).
+        chunk: u32,
+        /// Bits per kept value.
+        bits: u8,
+    },
 }
+
+/// `ctopk` without parameters.
+pub const DEFAULT_CHUNK_TOPK: Codec = Codec::ChunkTopK {
+    k: 32,
+    chunk: 4096,
+    bits: 2,
+};
 
 impl Default for Codec {
     fn default() -> Self {
@@ -168,6 +197,11 @@ impl Codec {
         matches!(self, Codec::Fp32)
     }
 
+    /// Whether it sends only some of the values (the others decode to zero).
+    pub fn is_sparse(&self) -> bool {
+        matches!(self, Codec::TopK { .. } | Codec::ChunkTopK { .. })
+    }
+
     /// Checks the parameters.
     pub fn validate(&self) -> Result<(), CodecError> {
         match *self {
@@ -179,6 +213,8 @@ impl Codec {
             Codec::TopK { ppm, .. } if ppm == 0 || ppm > 1_000_000 => Err(
                 CodecError::BadParameter(format!("top-k fraction {ppm} ppm outside (0, 100%]")),
             ),
+            Codec::ChunkTopK { k, chunk, bits } => chunked::validate(k, chunk, bits),
+            Codec::LowBit { bits, block } => lowbit::validate(bits, block),
             _ => Ok(()),
         }
     }
@@ -200,6 +236,8 @@ impl fmt::Display for Codec {
             Codec::Bf16 => f.write_str("bf16"),
             Codec::Int8 { block } if block == DEFAULT_INT8_BLOCK => f.write_str("int8"),
             Codec::Int8 { block } => write!(f, "int8:{block}"),
+            Codec::LowBit { bits, block } if block == DEFAULT_INT8_BLOCK => write!(f, "int{bits}"),
+            Codec::LowBit { bits, block } => write!(f, "int{bits}:{block}"),
             Codec::TopK { ppm, values } => {
                 write!(f, "topk:{}%", ppm as f64 / 10_000.0)?;
                 if values == ValueFormat::Int8 {
@@ -207,6 +245,7 @@ impl fmt::Display for Codec {
                 }
                 Ok(())
             }
+            Codec::ChunkTopK { k, chunk, bits } => write!(f, "ctopk:{k}/{chunk}:{bits}"),
         }
     }
 }
@@ -214,8 +253,9 @@ impl fmt::Display for Codec {
 impl FromStr for Codec {
     type Err = String;
 
-    /// Parses `fp32`, `fp16`, `bf16`, `int8`, `int8:BLOCK`, `topk:PERCENT%` and
-    /// `topk:PERCENT%:int8` (values in fp16 unless `:int8`).
+    /// Parses `fp32`, `fp16`, `bf16`, `int8`, `int8:BLOCK`, `topk:PERCENT%`,
+    /// `topk:PERCENT%:int8` (values in fp16 unless `:int8`), `ctopk` and `ctopk:K/CHUNK:BITS`,
+    /// `int4[:BLOCK]` and `int2[:BLOCK]`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let mut parts = s.split(':');
         let name = parts.next().unwrap_or_default();
@@ -227,6 +267,13 @@ impl FromStr for Codec {
                 block: match parts.next() {
                     None => DEFAULT_INT8_BLOCK,
                     Some(b) => b.parse().map_err(|_| format!("bad int8 block '{b}'"))?,
+                },
+            },
+            "int4" | "int2" => Codec::LowBit {
+                bits: if name == "int4" { 4 } else { 2 },
+                block: match parts.next() {
+                    None => DEFAULT_INT8_BLOCK,
+                    Some(b) => b.parse().map_err(|_| format!("bad {name} block '{b}'"))?,
                 },
             },
             "topk" => {
@@ -245,9 +292,22 @@ impl FromStr for Codec {
                     values,
                 }
             }
+            "ctopk" => match parts.next() {
+                None => DEFAULT_CHUNK_TOPK,
+                Some(kc) => {
+                    let bad = || format!("bad chunked top-k '{s}' (expected e.g. ctopk:32/4096:2)");
+                    let (k, chunk) = kc.split_once('/').ok_or_else(bad)?;
+                    let bits = parts.next().ok_or_else(bad)?;
+                    Codec::ChunkTopK {
+                        k: k.parse().map_err(|_| bad())?,
+                        chunk: chunk.parse().map_err(|_| bad())?,
+                        bits: bits.parse().map_err(|_| bad())?,
+                    }
+                }
+            },
             _ => {
                 return Err(format!(
-                    "unknown codec '{s}' (fp32, fp16, bf16, int8, topk:1%)"
+                    "unknown codec '{s}' (fp32, fp16, bf16, int8, int4, int2, topk:1%, ctopk:32/4096:2)"
                 ));
             }
         };
@@ -274,6 +334,7 @@ pub struct Encoder {
     varints: Vec<u8>,
     zstd: Option<zstd::bulk::Compressor<'static>>,
     compressed: Vec<u8>,
+    chunked: chunked::ChunkScratch,
 }
 
 impl Default for Encoder {
@@ -299,6 +360,7 @@ impl Encoder {
             varints: Vec::new(),
             zstd: None,
             compressed: Vec::new(),
+            chunked: chunked::ChunkScratch::default(),
         }
     }
 
@@ -342,6 +404,10 @@ impl Encoder {
                 write_int8(input, block as usize, out);
                 Encoding::Int8 { block }
             }
+            Codec::LowBit { bits, block } => {
+                lowbit::write(input, bits, block, out);
+                Encoding::LowBit { bits, block }
+            }
             Codec::TopK { ppm, values } => {
                 let k = Codec::topk_count(ppm, input.len());
                 self.select_topk(input, k);
@@ -353,6 +419,10 @@ impl Encoder {
                     k: k as u32,
                     values,
                 }
+            }
+            Codec::ChunkTopK { k, chunk, bits } => {
+                chunked::encode(&mut self.chunked, input, k, chunk, bits, out);
+                Encoding::ChunkTopK { k, chunk, bits }
             }
         };
         let payload = &out[TENSOR_HEADER_LEN..];
@@ -566,14 +636,17 @@ impl Decoder {
         let n = header.shape.numel();
         out.clear();
         out.resize(n, 0.0);
-        match header.encoding {
-            Encoding::TopK { k, values } => {
-                if let Err(e) = self.read_topk(payload, k as usize, values, out) {
-                    out.clear();
-                    return Err(e);
-                }
+        let sparse = match header.encoding {
+            Encoding::TopK { k, values } => self.read_topk(payload, k as usize, values, out),
+            Encoding::ChunkTopK { k, chunk, bits } => chunked::decode(payload, k, chunk, bits, out),
+            dense => {
+                decode_dense(dense, payload, out);
+                Ok(())
             }
-            dense => decode_dense(dense, payload, out),
+        };
+        if let Err(e) = sparse {
+            out.clear();
+            return Err(e);
         }
         if !all_finite(out) {
             out.clear();
@@ -689,11 +762,18 @@ impl Decoder {
 /// Error feedback for a lossy codec: what compression dropped in round `t` is added to the
 /// input of round `t + 1`, so the decoded stream's running sum tracks the input's running sum
 /// with a bounded residual instead of losing the small components forever.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct ErrorFeedback {
     residual: Vec<f32>,
+    decay: f32,
     decoded: Vec<f32>,
     bytes: Vec<u8>,
+}
+
+impl Default for ErrorFeedback {
+    fn default() -> Self {
+        Self::with_decay(1.0)
+    }
 }
 
 impl ErrorFeedback {
@@ -702,13 +782,54 @@ impl ErrorFeedback {
         Self::default()
     }
 
+    /// Feedback whose residual is multiplied by `decay` before each round's input is added
+    /// (SparseLoCo's accumulator: with DiLoCo, where every round restarts from the parameters
+    /// the replicas agreed on and so partly recomputes what was withheld, a decay below 1
+    /// keeps the withheld part from being counted twice over). 1 is plain error feedback.
+    pub fn with_decay(decay: f32) -> Self {
+        ErrorFeedback {
+            residual: Vec::new(),
+            decay,
+            decoded: Vec::new(),
+            bytes: Vec::new(),
+        }
+    }
+
+    /// The residual's decay per round.
+    pub fn decay(&self) -> f32 {
+        self.decay
+    }
+
     /// What has been withheld so far.
     pub fn residual(&self) -> &[f32] {
         &self.residual
     }
 
+    /// The residual of a vector of `len` values, to restore what a round that never
+    /// delivered its encoding withheld (zero where new; a different length starts afresh).
+    pub fn residual_mut(&mut self, len: usize) -> &mut [f32] {
+        if self.residual.len() != len {
+            self.residual.clear();
+            self.residual.resize(len, 0.0);
+        }
+        &mut self.residual
+    }
+
+    /// `input` plus what is withheld at its place in a vector of `len` values, for a part
+    /// that travels uncompressed (a round's owner keeps its own share): everything there is
+    /// sent, so the residual there becomes zero.
+    pub fn flush_part(&mut self, input: &[f32], offset: usize, len: usize) -> Vec<f32> {
+        let residual = self.residual_mut(len);
+        let Some(r) = residual.get_mut(offset..offset + input.len()) else {
+            return input.to_vec();
+        };
+        let out = input.iter().zip(r.iter()).map(|(v, e)| v + e).collect();
+        r.fill(0.0);
+        out
+    }
+
     /// Encodes `input + residual` and keeps the new residual. Works with any codec; for
-    /// top-k only the kept values are subtracted, so the cost stays a few passes.
+    /// the sparse ones only the kept values are subtracted, so the cost stays a few passes.
     pub fn encode(
         &mut self,
         encoder: &mut Encoder,
@@ -717,12 +838,50 @@ impl ErrorFeedback {
         dims: &[usize],
         out: &mut Vec<u8>,
     ) -> Result<TensorHeader, CodecError> {
-        if self.residual.len() != input.len() {
+        self.encode_part(encoder, codec, input, 0, input.len(), dims, out)
+    }
+
+    /// [`ErrorFeedback::encode`] for the part of a vector of `len` values that starts at
+    /// `offset`: the residual covers the whole vector, so a vector sent in parts that change
+    /// from round to round (a swarm round's group decides them) withholds each value in one
+    /// place, and what a part withheld is sent with whichever part holds it next time.
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_part(
+        &mut self,
+        encoder: &mut Encoder,
+        codec: Codec,
+        input: &[f32],
+        offset: usize,
+        len: usize,
+        dims: &[usize],
+        out: &mut Vec<u8>,
+    ) -> Result<TensorHeader, CodecError> {
+        let end = offset
+            .checked_add(input.len())
+            .filter(|&end| end <= len)
+            .ok_or_else(|| {
+                CodecError::BadShape(format!(
+                    "part of {} values at {offset} of a vector of {len}",
+                    input.len()
+                ))
+            })?;
+        if self.residual.len() != len {
             self.residual.clear();
-            self.residual.resize(input.len(), 0.0);
+            self.residual.resize(len, 0.0);
         }
-        add_assign(&mut self.residual, input);
-        let header = encoder.encode(codec, &self.residual, dims, out)?;
+        let residual = &mut self.residual[offset..end];
+        if self.decay != 1.0 {
+            scale(residual, self.decay);
+        }
+        add_assign(residual, input);
+        let header = match encoder.encode(codec, residual, dims, out) {
+            Ok(h) => h,
+            Err(e) => {
+                // Nothing was sent: the part stays withheld as it was.
+                sub_assign(residual, input);
+                return Err(e);
+            }
+        };
         match codec {
             Codec::TopK { values, .. } => {
                 // Subtract exactly what the receiver will decode for the kept values.
@@ -742,7 +901,13 @@ impl ErrorFeedback {
                     }
                 }
                 for (&i, &d) in idx.iter().zip(&self.decoded) {
-                    self.residual[i as usize] -= d;
+                    residual[i as usize] -= d;
+                }
+            }
+            Codec::ChunkTopK { .. } => {
+                let c = &encoder.chunked;
+                for (&i, &d) in c.indices.iter().zip(&c.decoded) {
+                    residual[i as usize] -= d;
                 }
             }
             _ => {
@@ -753,7 +918,7 @@ impl ErrorFeedback {
                     &out[TENSOR_HEADER_LEN..],
                     &mut self.decoded,
                 );
-                sub_assign(&mut self.residual, &self.decoded);
+                sub_assign(residual, &self.decoded);
             }
         }
         Ok(header)
@@ -777,6 +942,14 @@ multiversion! {
     fn add_assign(acc: &mut [f32], x: &[f32]) {
         for (a, &v) in acc.iter_mut().zip(x) {
             *a += v;
+        }
+    }
+}
+
+multiversion! {
+    fn scale(x: &mut [f32], by: f32) {
+        for v in x {
+            *v *= by;
         }
     }
 }

@@ -65,6 +65,27 @@ proptest! {
     }
 
     #[test]
+    fn int4_and_int2_are_within_half_a_step_of_their_block_scale(
+        x in finite_vec(600),
+        block in prop::sample::select(vec![8u32, 16, 64, 100, 256]),
+        bits in prop::sample::select(vec![2u8, 4]),
+    ) {
+        let y = roundtrip(Codec::LowBit { bits, block }, &x);
+        let levels = ((1 << (bits - 1)) - 1) as f32;
+        for (chunk_x, chunk_y) in x.chunks(block as usize).zip(y.chunks(block as usize)) {
+            let absmax = chunk_x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let step = absmax / levels;
+            for (a, b) in chunk_x.iter().zip(chunk_y) {
+                prop_assert!((a - b).abs() <= 0.5 * step * (1.0 + 1e-5) + absmax * 1e-6,
+                    "{} vs {} (step {}, {} bits)", a, b, step, bits);
+            }
+        }
+        let payload = encode_to_vec(Codec::LowBit { bits, block }, &x, &[x.len()]).unwrap().len()
+            - TENSOR_HEADER_LEN;
+        prop_assert_eq!(payload, 4 * x.len().div_ceil(block as usize) + (x.len() * bits as usize).div_ceil(8));
+    }
+
+    #[test]
     fn topk_keeps_exactly_the_largest(x in finite_vec(2000), pct in 1u32..50) {
         let codec = Codec::TopK { ppm: pct * 10_000, values: ValueFormat::Fp16 };
         let y = roundtrip(codec, &x);
@@ -84,13 +105,75 @@ proptest! {
         }
     }
 
+    /// Every chunk keeps exactly its k largest magnitudes (ties at the k-th allowed), each
+    /// decoded with its sign, at a level within the kept magnitudes' range (plus the bf16
+    /// rounding of the levels) and in the same order as the magnitudes; everything else
+    /// decodes to zero. One bit (sign only) decodes every kept value at their mean magnitude.
+    #[test]
+    fn chunked_topk_keeps_each_chunks_largest_at_ordered_levels(
+        x in finite_vec(3000),
+        chunk in prop::sample::select(vec![16u32, 64, 256, 1024]),
+        k_frac in 1u32..=16,
+        bits in 1u8..=4,
+    ) {
+        let k = (chunk * k_frac / 16).max(1);
+        let codec = Codec::ChunkTopK { k, chunk, bits };
+        let mut enc = Encoder::new();
+        let mut bytes = Vec::new();
+        enc.encode(codec, &x, &[x.len()], &mut bytes).unwrap();
+        let (_, y) = decode_to_vec(&bytes).unwrap();
+        let mut is_kept = vec![false; x.len()];
+        for &i in &enc.chunked.indices {
+            is_kept[i as usize] = true;
+        }
+        for (c, (xs, ys)) in x.chunks(chunk as usize).zip(y.chunks(chunk as usize)).enumerate() {
+            let start = c * chunk as usize;
+            let want = (k as usize).min(xs.len());
+            let mine: Vec<usize> = (0..xs.len()).filter(|&i| is_kept[start + i]).collect();
+            prop_assert_eq!(mine.len(), want);
+            let mut mags: Vec<f32> = xs.iter().map(|v| v.abs()).collect();
+            mags.sort_by(|a, b| b.total_cmp(a));
+            let kth = mags[want - 1];
+            let (lo, hi) = mine.iter().fold((f32::INFINITY, 0f32), |(l, h), &i| {
+                (l.min(xs[i].abs()), h.max(xs[i].abs()))
+            });
+            let mean = mine.iter().map(|&i| f64::from(xs[i].abs())).sum::<f64>() / want as f64;
+            for i in 0..xs.len() {
+                let (a, b) = (xs[i], ys[i]);
+                if !is_kept[start + i] {
+                    prop_assert_eq!(b, 0.0);
+                    prop_assert!(a.abs() <= kth, "dropped {} above the k-th {}", a, kth);
+                    continue;
+                }
+                prop_assert!(a.abs() >= kth);
+                if a != 0.0 && b != 0.0 {
+                    prop_assert_eq!(a.is_sign_negative(), b.is_sign_negative());
+                }
+                let m = b.abs();
+                prop_assert!(m >= lo * (1.0 - 1.0 / 128.0) && m <= hi * (1.0 + 1.0 / 128.0),
+                    "{} decoded as {} outside [{}, {}]", a, b, lo, hi);
+                if bits == 1 {
+                    prop_assert!((f64::from(m) - mean).abs() <= mean / 128.0 + 1e-30);
+                }
+                for &j in &mine {
+                    if xs[j].abs() < a.abs() {
+                        prop_assert!(ys[j].abs() <= m, "levels out of order");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn error_feedback_tracks_the_running_sum(
         rounds in prop::collection::vec(prop::collection::vec(-1.0f32..1.0, 256), 1..40),
-        int8 in any::<bool>(),
+        which in 0usize..3,
     ) {
-        let values = if int8 { ValueFormat::Int8 } else { ValueFormat::Fp16 };
-        let codec = Codec::TopK { ppm: 50_000, values };
+        let codec = match which {
+            0 => Codec::TopK { ppm: 50_000, values: ValueFormat::Fp16 },
+            1 => Codec::TopK { ppm: 50_000, values: ValueFormat::Int8 },
+            _ => Codec::ChunkTopK { k: 4, chunk: 64, bits: 2 },
+        };
         let mut fb = ErrorFeedback::new();
         let mut enc = Encoder::new();
         let mut dec = Decoder::new();
@@ -109,6 +192,155 @@ proptest! {
         for i in 0..256 {
             let withheld = fb.residual()[i] as f64;
             prop_assert!((sent[i] - got[i] - withheld).abs() < 1e-3, "element {}", i);
+        }
+    }
+}
+
+/// Positions travel as Rice codes: a chunk's positions decode to exactly the kept ones at
+/// every density (gaps of zero, gaps as long as the chunk, the last chunk shorter), and the
+/// payload is the size the layout says.
+#[test]
+fn chunked_topk_positions_round_trip_at_every_density() {
+    for (n, chunk) in [(4096usize, 4096u32), (5000, 1024), (100, 16), (1, 16)] {
+        for k in [1u32, 2, 7, chunk / 64, chunk / 8, chunk / 2, chunk] {
+            let k = k.max(1);
+            let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1013) as f32 - 506.5).collect();
+            let codec = Codec::ChunkTopK { k, chunk, bits: 3 };
+            let mut enc = Encoder::new();
+            let mut bytes = Vec::new();
+            enc.encode(codec, &x, &[n], &mut bytes).unwrap();
+            let (_, y) = decode_to_vec(&bytes).unwrap();
+            let sent: Vec<u32> = (0..n as u32).filter(|&i| y[i as usize] != 0.0).collect();
+            assert_eq!(sent, enc.chunked.indices, "n {n} chunk {chunk} k {k}");
+            let kept = chunked::kept_count(n, k, chunk);
+            assert_eq!(kept, sent.len());
+            let fixed = 8 * n.div_ceil(chunk as usize) + (kept * 3).div_ceil(8);
+            let payload = bytes.len() - TENSOR_HEADER_LEN;
+            assert!(payload > fixed && payload <= chunked::payload_bound(n, k, chunk, 3));
+        }
+    }
+    // Long runs of ones in the unary codes: the largest half of a chunk is its second half.
+    for k in [1u32, 100, 2048, 4095] {
+        let x: Vec<f32> = (0..4096).map(|i| i as f32).collect();
+        let (_, y) = decode_to_vec(
+            &encode_to_vec(
+                Codec::ChunkTopK {
+                    k,
+                    chunk: 4096,
+                    bits: 2,
+                },
+                &x,
+                &[4096],
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let first = 4096 - k as usize;
+        assert!(y[..first].iter().all(|&v| v == 0.0) && y[first..].iter().all(|&v| v > 0.0));
+    }
+    // Near the entropy of the positions: 64 of 4096 (log2 C(4096, 64) / 64 = 7.4 bits).
+    let n = 1 << 16;
+    let x: Vec<f32> = (0..n)
+        .map(|i| ((i * 2_654_435_761usize) % 65_521) as f32)
+        .collect();
+    let bytes = encode_to_vec(
+        Codec::ChunkTopK {
+            k: 64,
+            chunk: 4096,
+            bits: 2,
+        },
+        &x,
+        &[n],
+    )
+    .unwrap();
+    let index_bits = 8.0 * (bytes.len() - TENSOR_HEADER_LEN - 4 * 16 - 16 * 64 * 2 / 8) as f64;
+    // (levels: 2 of 2 bytes for each of the 16 chunks)
+    let per_position = index_bits / (16.0 * 64.0);
+    assert!(
+        (7.4..8.4).contains(&per_position),
+        "{per_position} bits a position"
+    );
+}
+
+/// A chunked top-k message is accepted only exactly as the encoder writes it.
+#[test]
+fn chunked_topk_rejects_what_its_encoder_never_writes() {
+    let x: Vec<f32> = (0..300).map(|i| (i as f32 * 0.37).sin()).collect();
+    let good = encode_to_vec(
+        Codec::ChunkTopK {
+            k: 4,
+            chunk: 64,
+            bits: 2,
+        },
+        &x,
+        &[300],
+    )
+    .unwrap();
+    let payload = &good[TENSOR_HEADER_LEN..];
+    let mut dec = Decoder::new();
+    let mut y = Vec::new();
+    assert!(dec.decode(&good, &mut y).is_ok());
+    // One byte more or less, anywhere in the streams.
+    let mut longer = payload.to_vec();
+    longer.push(0);
+    let mut header = good[..TENSOR_HEADER_LEN].to_vec();
+    header[24..28].copy_from_slice(&(longer.len() as u32).to_le_bytes());
+    assert!(dec.decode(&with_payload(&header, &longer), &mut y).is_err());
+    header[24..28].copy_from_slice(&(payload.len() as u32 - 1).to_le_bytes());
+    let shorter = &payload[..payload.len() - 1];
+    assert!(dec.decode(&with_payload(&header, shorter), &mut y).is_err());
+    // A gap that runs past its chunk: all ones in the index stream.
+    let mut ones = payload.to_vec();
+    let index_start = 4 * 5 + (4 * 5 * 2usize).div_ceil(8); // levels, then values
+    ones[index_start..].iter_mut().for_each(|b| *b = 0xff);
+    assert!(matches!(
+        dec.decode(&with_payload(&good, &ones), &mut y),
+        Err(CodecError::BadIndices(_))
+    ));
+    // Padding bits that are not zero.
+    let mut padded = payload.to_vec();
+    *padded.last_mut().unwrap() |= 0x80;
+    assert!(dec.decode(&with_payload(&good, &padded), &mut y).is_err());
+    // Parameters out of range or a parameter word with stray bits.
+    for (param, aux) in [
+        (4 | (3 << 16), 2),
+        (4 | (6 << 16), 0),
+        (4 | (6 << 16), 9),
+        (65 | (6 << 16), 2),
+        (4 | (6 << 16) | (1 << 30), 2),
+    ] {
+        let mut bad = good.clone();
+        bad[4..8].copy_from_slice(&(param as u32).to_le_bytes());
+        bad[2] = aux;
+        assert!(
+            matches!(dec.decode(&bad, &mut y), Err(CodecError::BadParameter(_))),
+            "{param:#x} {aux}"
+        );
+    }
+}
+
+/// A decaying residual is `decay x residual + input - sent`, round after round.
+#[test]
+fn decaying_error_feedback_scales_what_it_withheld_before_adding_the_input() {
+    let codec = Codec::ChunkTopK {
+        k: 2,
+        chunk: 16,
+        bits: 3,
+    };
+    let (decay, n) = (0.9f32, 40);
+    let mut fb = ErrorFeedback::with_decay(decay);
+    let (mut enc, mut dec) = (Encoder::new(), Decoder::new());
+    let (mut bytes, mut y) = (Vec::new(), Vec::new());
+    let mut expected = vec![0f32; n];
+    for round in 0..20 {
+        let x: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 + round * 11) % 23) as f32 - 11.0)
+            .collect();
+        fb.encode(&mut enc, codec, &x, &[n], &mut bytes).unwrap();
+        dec.decode(&bytes, &mut y).unwrap();
+        for i in 0..n {
+            expected[i] = decay * expected[i] + x[i] - y[i];
+            assert!((fb.residual()[i] - expected[i]).abs() <= 1e-4 * (1.0 + expected[i].abs()));
         }
     }
 }
@@ -177,19 +409,32 @@ fn codec_names_parse_and_print() {
         "int8:128",
         "topk:1%",
         "topk:0.5%:int8",
+        "ctopk:32/4096:2",
+        "ctopk:1/16:4",
+        "int4",
+        "int2:256",
     ] {
         let c: Codec = s.parse().unwrap();
         assert_eq!(c.to_string(), s);
     }
+    assert_eq!("ctopk".parse::<Codec>(), Ok(DEFAULT_CHUNK_TOPK));
     for bad in [
         "",
-        "int4",
+        "int16",
         "int8:3",
         "topk",
         "topk:0%",
         "topk:1",
         "topk:1%:bf16",
         "fp16:2",
+        "ctopk:0/4096:2",
+        "ctopk:32/4000:2",
+        "ctopk:32/4096:0",
+        "ctopk:32/4096:5",
+        "ctopk:32/4096",
+        "ctopk:32:2",
+        "int4:3",
+        "int3",
     ] {
         assert!(bad.parse::<Codec>().is_err(), "{bad:?} should not parse");
     }
@@ -249,6 +494,9 @@ fn values_that_are_not_finite_are_refused_both_ways() {
         Codec::Bf16,
         Codec::default(),
         "topk:10%".parse().unwrap(),
+        "ctopk:8/64:2".parse().unwrap(),
+        "int4".parse().unwrap(),
+        "int2".parse().unwrap(),
     ];
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
         let mut x = vec![0.5f32; 64];

@@ -98,6 +98,18 @@ fn tensor_decoder_survives_hostile_input() {
             ppm: 300_000,
             values: ValueFormat::Int8,
         },
+        Codec::LowBit { bits: 4, block: 16 },
+        Codec::LowBit { bits: 2, block: 8 },
+        Codec::ChunkTopK {
+            k: 5,
+            chunk: 64,
+            bits: 2,
+        },
+        Codec::ChunkTopK {
+            k: 16,
+            chunk: 16,
+            bits: 4,
+        },
     ];
     let mut valid = Vec::new();
     for (i, &codec) in codecs.iter().enumerate() {

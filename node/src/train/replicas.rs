@@ -10,7 +10,9 @@
 //! average is the swarm round's: part `j` of each stage's vector is owned by replica `j`
 //! ([`part_range`]), every other replica's share of it is encoded and decoded on its way
 //! there, the owner reduces the shares with the swarm's [`robust::centered_clip`], and the part
-//! it sends back is encoded once and decoded by everyone, the owner included. The optimizer
+//! it sends back is encoded once and decoded by everyone, the owner included. Both encodings
+//! carry error feedback as the swarm's do: each replica's shares withhold what their codec
+//! dropped until its next round, and each owner's parts what theirs dropped. The optimizer
 //! step is the replica step's: each stage clips its own gradient norm and trains its own copy
 //! of the tied embedding (`Coupling::PerStage`).
 //!
@@ -23,7 +25,7 @@ use shoal_compute::{AnyBackend, Coupling, DataLoader, LocalPipeline, Transit};
 use shoal_protocol::swarm::SyncMode;
 use shoal_protocol::swarm::averaging::part_range;
 use shoal_protocol::swarm::robust::{self, Share};
-use shoal_protocol::{Codec, Decoder, Encoder};
+use shoal_protocol::{Codec, Decoder, Encoder, ErrorFeedback};
 use std::collections::BTreeMap;
 
 /// Bytes sent by traffic kind, encoded and as fp32.
@@ -111,6 +113,9 @@ pub struct Replicas {
     samples_since_outer: Vec<f64>,
     encoder: Encoder,
     decoder: Decoder,
+    /// Error feedback per replica and stage: of its shares, and of the parts it owns.
+    share_feedback: Vec<Vec<ErrorFeedback>>,
+    part_feedback: Vec<Vec<ErrorFeedback>>,
     averaging: Traffic,
 }
 
@@ -140,7 +145,11 @@ impl Replicas {
             .map(|s| s.download_params())
             .collect::<Result<Vec<_>, _>>()?;
         let momentum = anchors.iter().map(|a| vec![0.0; a.len()]).collect();
+        let feedback =
+            |decay| vec![vec![ErrorFeedback::with_decay(decay); anchors.len()]; settings.replicas];
         Ok(Replicas {
+            share_feedback: feedback(settings.sync.feedback_decay()),
+            part_feedback: feedback(settings.sync.feedback_decay()),
             samples_since_outer: vec![0.0; settings.replicas],
             boundaries: Boundaries {
                 activations: settings.activation_codec,
@@ -198,7 +207,7 @@ impl Replicas {
         match self.settings.sync {
             SyncMode::AllReduce => {
                 for (s, contributions) in contributions.iter().enumerate() {
-                    let avg = self.average(contributions)?;
+                    let avg = self.average(s, contributions)?;
                     for p in &mut self.pipelines {
                         p.stages_mut()[s].upload_grads(&avg)?;
                     }
@@ -211,6 +220,7 @@ impl Replicas {
                 h,
                 outer_lr,
                 outer_momentum,
+                ..
             } => {
                 self.inner_steps += 1;
                 if self.inner_steps >= h as usize {
@@ -237,7 +247,7 @@ impl Replicas {
                     .collect();
                 contributions.push((pg, *samples));
             }
-            let avg = self.average(&contributions)?;
+            let avg = self.average(s, &contributions)?;
             let (anchor, momentum) = (&mut self.anchors[s], &mut self.momentum[s]);
             for ((a, m), g) in anchor.iter_mut().zip(momentum.iter_mut()).zip(&avg) {
                 *m = mu * *m + g;
@@ -252,10 +262,14 @@ impl Replicas {
         Ok(())
     }
 
-    /// One stage's round among the replicas, as the swarm runs it (see the module docs):
-    /// `contributions` are each replica's sum over its samples and the samples behind it;
-    /// returns the per-sample average every replica applies.
-    fn average(&mut self, contributions: &[(Vec<f32>, f64)]) -> anyhow::Result<Vec<f32>> {
+    /// One round of stage `stage` among the replicas, as the swarm runs it (see the module
+    /// docs): `contributions` are each replica's sum over its samples and the samples behind
+    /// it; returns the per-sample average every replica applies.
+    fn average(
+        &mut self,
+        stage: usize,
+        contributions: &[(Vec<f32>, f64)],
+    ) -> anyhow::Result<Vec<f32>> {
         let n = contributions.len();
         let len = contributions.first().map_or(0, |c| c.0.len());
         let codec = self.settings.averaging_codec;
@@ -270,8 +284,16 @@ impl Replicas {
                     received.push(slice.to_vec());
                     continue;
                 }
-                self.encoder
-                    .encode(codec, slice, &[slice.len()], &mut buf)
+                self.share_feedback[i][stage]
+                    .encode_part(
+                        &mut self.encoder,
+                        codec,
+                        slice,
+                        range.start,
+                        len,
+                        &[slice.len()],
+                        &mut buf,
+                    )
                     .context("encoding a share")?;
                 self.averaging.add("averaging", buf.len(), slice.len());
                 let mut decoded = Vec::new();
@@ -294,8 +316,16 @@ impl Replicas {
                 continue;
             }
             // Sent once to each other replica; the owner applies the decoded values too.
-            self.encoder
-                .encode(codec, &part, &[part.len()], &mut buf)
+            self.part_feedback[owner][stage]
+                .encode_part(
+                    &mut self.encoder,
+                    codec,
+                    &part,
+                    range.start,
+                    len,
+                    &[part.len()],
+                    &mut buf,
+                )
                 .context("encoding a part")?;
             for _ in 1..n {
                 self.averaging.add("averaging", buf.len(), part.len());
@@ -307,6 +337,11 @@ impl Replicas {
             out[range].copy_from_slice(&decoded);
         }
         Ok(out)
+    }
+
+    /// Replica 0's pipeline.
+    pub fn first_pipeline(&mut self) -> &mut LocalPipeline<AnyBackend> {
+        &mut self.pipelines[0]
     }
 
     /// Parameters trained by one replica.

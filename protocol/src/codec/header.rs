@@ -75,6 +75,22 @@ pub enum Encoding {
         /// How they are stored.
         values: ValueFormat,
     },
+    /// Blockwise int4 or int2 (see [`super::lowbit`]).
+    LowBit {
+        /// Bits per value.
+        bits: u8,
+        /// Values per scale.
+        block: u32,
+    },
+    /// Chunked top-k (see [`super::chunked`]).
+    ChunkTopK {
+        /// Values kept per chunk.
+        k: u32,
+        /// Values per chunk.
+        chunk: u32,
+        /// Bits per value.
+        bits: u8,
+    },
 }
 
 impl Encoding {
@@ -85,17 +101,20 @@ impl Encoding {
             Encoding::Bf16 => 2,
             Encoding::Int8 { .. } => 3,
             Encoding::TopK { .. } => 4,
+            Encoding::ChunkTopK { .. } => 5,
+            Encoding::LowBit { .. } => 6,
         }
     }
 
-    /// Exact payload length of a dense encoding of `n` values (`None` for top-k, whose index
-    /// stream varies).
+    /// Exact payload length of a dense encoding of `n` values (`None` for the sparse ones,
+    /// whose index streams vary).
     fn dense_payload_len(&self, n: usize) -> Option<usize> {
         match *self {
             Encoding::Fp32 => Some(4 * n),
             Encoding::Fp16 | Encoding::Bf16 => Some(2 * n),
             Encoding::Int8 { block } => Some(4 * n.div_ceil(block as usize) + n),
-            Encoding::TopK { .. } => None,
+            Encoding::LowBit { bits, block } => Some(lowbit::payload_len(n, bits, block)),
+            Encoding::TopK { .. } | Encoding::ChunkTopK { .. } => None,
         }
     }
 }
@@ -121,6 +140,8 @@ impl TensorHeader {
         let (param, aux) = match self.encoding {
             Encoding::Int8 { block } => (block, 0),
             Encoding::TopK { k, values } => (k, values as u8),
+            Encoding::ChunkTopK { k, chunk, bits } => (chunked::pack_param(k, chunk), bits),
+            Encoding::LowBit { bits, block } => (block, bits),
             _ => (0, 0),
         };
         out[0] = DTYPE_F32;
@@ -192,15 +213,39 @@ impl TensorHeader {
                 }
                 Encoding::TopK { k: param, values }
             }
+            5 => {
+                let (k, chunk) = chunked::unpack_param(param);
+                if chunked::pack_param(k, chunk) != param {
+                    return Err(CodecError::BadParameter(format!(
+                        "chunked top-k parameter word {param:#x}"
+                    )));
+                }
+                let bits = h[2];
+                chunked::validate(k, chunk, bits)?;
+                Encoding::ChunkTopK { k, chunk, bits }
+            }
+            6 => {
+                let bits = h[2];
+                lowbit::validate(bits, param)?;
+                Encoding::LowBit { bits, block: param }
+            }
             other => return Err(CodecError::UnknownEncoding(other)),
         };
-        if h[2] != 0 && !matches!(encoding, Encoding::TopK { .. }) {
+        if h[2] != 0
+            && !matches!(
+                encoding,
+                Encoding::TopK { .. } | Encoding::ChunkTopK { .. } | Encoding::LowBit { .. }
+            )
+        {
             return Err(CodecError::BadParameter("non-zero aux byte".into()));
         }
         let payload_len = u32_at(24);
-        let bound = match encoding.dense_payload_len(n) {
-            Some(len) => len,
-            None => topk_payload_bound(param as usize),
+        let bound = match encoding {
+            Encoding::ChunkTopK { k, chunk, bits } => chunked::payload_bound(n, k, chunk, bits),
+            _ => match encoding.dense_payload_len(n) {
+                Some(len) => len,
+                None => topk_payload_bound(param as usize),
+            },
         };
         if payload_len as u64 > bound as u64 {
             return Err(CodecError::PayloadLength {

@@ -244,6 +244,9 @@ pub(super) fn decode_dense(encoding: Encoding, payload: &[u8], out: &mut [f32]) 
         Encoding::Fp16 => read_fp16(payload, out),
         Encoding::Bf16 => bf16_to_f32(payload, out),
         Encoding::Int8 { block } => read_int8(payload, block as usize, out),
-        Encoding::TopK { .. } => unreachable!("top-k is not a dense encoding"),
+        Encoding::LowBit { bits, block } => lowbit::read(payload, bits, block, out),
+        Encoding::TopK { .. } | Encoding::ChunkTopK { .. } => {
+            unreachable!("sparse encodings are not dense")
+        }
     }
 }

@@ -20,6 +20,8 @@
 //! fewer than the honest members that could tell cannot change the outcome, and where members
 //! still decide differently the hash vote after the round re-syncs the minority.
 //!
+//! With a lossy codec, shares and parts carry error feedback across rounds ([`Feedback`]).
+//!
 //! Faults: a member that never sends its part is left out of that part's average (the others
 //! still average over the samples they have). An owner that vanishes before sending its
 //! averaged part to everyone: the members missing it ask the others, and take it from anyone
@@ -35,6 +37,7 @@ use super::message::{RoundKey, RoundMsg, Vote};
 use super::norms;
 use super::robust::{self, Share};
 use crate::{Codec, Decoder, Encoder};
+pub use feedback::Feedback;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
 use std::time::Duration;
@@ -167,6 +170,8 @@ pub struct Round {
     out: VecDeque<RoundOut>,
     encoder: Encoder,
     decoder: Decoder,
+    /// The replica's error feedback, lent for the round (see [`super::rounds::Rounds`]).
+    pub(super) feedback: Feedback,
 }
 
 /// Part `j` of `n` over a vector of `len` values.
@@ -222,6 +227,7 @@ impl Round {
             out: VecDeque::new(),
             encoder: Encoder::new(),
             decoder: Decoder::with_max_elements(len),
+            feedback: Feedback::default(),
         }
     }
 
@@ -415,22 +421,39 @@ impl Round {
         self.own_scale = norms::rms(values) / samples.max(1.0);
         self.own = values.to_vec();
         self.started = now;
+        let lossy = !self.codec.is_lossless();
+        if lossy {
+            self.feedback.begin(self.len);
+        }
         let mut buf = Vec::new();
         for j in 0..self.group.len() {
             let r = self.range(j);
             if j == me {
-                self.shares
-                    .insert(self.me, (values[r].to_vec(), samples, loss));
+                let share = match lossy {
+                    true => self.feedback.own_share(&values[r.clone()], r, self.len),
+                    false => values[r].to_vec(),
+                };
+                self.shares.insert(self.me, (share, samples, loss));
                 continue;
             }
             if r.is_empty() {
                 continue;
             }
-            if self
-                .encoder
-                .encode(self.codec, &values[r.clone()], &[r.len()], &mut buf)
-                .is_ok()
-            {
+            let share = &values[r.clone()];
+            let encoded = match lossy {
+                true => self.feedback.encode_share(
+                    &mut self.encoder,
+                    self.codec,
+                    share,
+                    r,
+                    self.len,
+                    &mut buf,
+                ),
+                false => self
+                    .encoder
+                    .encode(self.codec, share, &[share.len()], &mut buf),
+            };
+            if encoded.is_ok() {
                 self.out.push_back(RoundOut::Send(
                     self.group[j],
                     RoundMsg::Part {
@@ -641,10 +664,18 @@ impl Round {
                     }
                     Some(v) => {
                         let own = self.own.get(self.range(j)).unwrap_or_default();
+                        // Judged where the part has values: a sparse part's are where its
+                        // owner's error feedback put them (see [`robust::on_support`]).
+                        let (own_there, part_there) = robust::on_support(own, &v);
+                        let cosine = robust::cosine(&own_there, &part_there);
+                        let agreement = match self.codec.is_sparse() {
+                            true => cosine,
+                            false => robust::agreement(own, self.own_samples, &v),
+                        };
                         // A part relayed while filling is not the relayer's work: no evidence
                         // (but it is voted on like the owner's).
-                        if let Some(agreement) = robust::agreement(own, self.own_samples, &v)
-                            .filter(|_| self.phase == Phase::Exchanging)
+                        if let Some(agreement) =
+                            agreement.filter(|_| self.phase == Phase::Exchanging)
                         {
                             self.evidence.push(Evidence::Part {
                                 peer: from,
@@ -655,7 +686,7 @@ impl Round {
                             self.heard.insert(from);
                         }
                         if Some(j) != self.my_index() && self.own_samples > 0.0 {
-                            self.votes[j] = vote::judge(robust::cosine(own, &v), self.forge_part);
+                            self.votes[j] = vote::judge(cosine, self.forge_part);
                         }
                         self.averaged[j] = Some(v);
                         if self.loss.is_none() {
@@ -748,10 +779,18 @@ impl Round {
             // Alone: nothing travels, so nothing needs compressing.
             self.averaged[me] = Some(avg);
         } else if r.is_empty()
-            || self
-                .encoder
-                .encode(self.codec, &avg, &[r.len()], &mut data)
-                .is_err()
+            || match self.codec.is_lossless() {
+                true => self.encoder.encode(self.codec, &avg, &[r.len()], &mut data),
+                false => self.feedback.encode_part(
+                    &mut self.encoder,
+                    self.codec,
+                    &avg,
+                    r.clone(),
+                    self.len,
+                    &mut data,
+                ),
+            }
+            .is_err()
         {
             self.averaged[me] = Some(avg);
         } else {
@@ -828,6 +867,13 @@ impl Round {
             .my_index()
             .and_then(|m| self.encoded.get(&(m as u32)).map(|e| e.0))
             .unwrap_or(self.own_samples);
+        for &j in zeroed.iter().chain(&refused) {
+            let r = self.range(j as usize);
+            if let Some(own) = self.own.get(r.clone()) {
+                self.feedback.undelivered(r, own);
+            }
+        }
+        self.feedback.done();
         self.phase = Phase::Done;
         self.deadline = None;
         self.out.push_back(RoundOut::Finished(RoundResult {
@@ -853,6 +899,7 @@ impl Round {
     }
 
     fn fail(&mut self, why: &'static str) {
+        self.feedback.failed();
         self.phase = Phase::Done;
         self.deadline = None;
         self.group.clear();
@@ -892,6 +939,7 @@ impl Round {
     }
 }
 
+mod feedback;
 mod filling;
 #[cfg(test)]
 mod tests;

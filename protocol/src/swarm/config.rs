@@ -22,16 +22,55 @@ pub enum SyncMode {
         outer_lr: f32,
         /// Outer Nesterov momentum (0.9 in the DiLoCo paper).
         outer_momentum: f32,
+        /// Decay per round of the averaging's error feedback (shares and parts), in (0, 1] (1:
+        /// plain error feedback; see [`crate::ErrorFeedback::with_decay`]).
+        feedback_decay: f32,
     },
 }
+
+/// The DiLoCo paper's outer learning rate.
+pub const PAPER_OUTER_LR: f32 = 0.7;
+/// The DiLoCo paper's outer Nesterov momentum.
+pub const PAPER_OUTER_MOMENTUM: f32 = 0.9;
 
 impl SyncMode {
     /// DiLoCo with the paper's outer optimizer and `h` inner steps.
     pub fn diloco(h: u32) -> Self {
         SyncMode::DiLoCo {
             h,
-            outer_lr: 0.7,
-            outer_momentum: 0.9,
+            outer_lr: PAPER_OUTER_LR,
+            outer_momentum: PAPER_OUTER_MOMENTUM,
+            feedback_decay: 1.0,
+        }
+    }
+
+    /// Checks DiLoCo's parameters.
+    pub fn validate(&self) -> Result<(), String> {
+        if let SyncMode::DiLoCo {
+            h,
+            outer_lr,
+            outer_momentum,
+            feedback_decay,
+        } = *self
+        {
+            if h == 0 {
+                return Err("DiLoCo needs at least one inner step per round".into());
+            }
+            if !(outer_lr.is_finite() && outer_lr > 0.0 && (0.0..1.0).contains(&outer_momentum)) {
+                return Err("DiLoCo outer lr must be positive, momentum in [0, 1)".into());
+            }
+            if !(feedback_decay > 0.0 && feedback_decay <= 1.0) {
+                return Err("DiLoCo feedback decay must be in (0, 1]".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// The decay of the averaging's error feedback (1 unless DiLoCo says otherwise).
+    pub fn feedback_decay(&self) -> f32 {
+        match *self {
+            SyncMode::AllReduce => 1.0,
+            SyncMode::DiLoCo { feedback_decay, .. } => feedback_decay,
         }
     }
 }
@@ -152,19 +191,7 @@ impl RunConfig {
         if self.max_steps == 0 {
             return Err("max steps must be at least 1".into());
         }
-        if let SyncMode::DiLoCo {
-            h,
-            outer_lr,
-            outer_momentum,
-        } = self.sync
-        {
-            if h == 0 {
-                return Err("DiLoCo needs at least one inner step per round".into());
-            }
-            if !(outer_lr.is_finite() && outer_lr > 0.0 && (0.0..1.0).contains(&outer_momentum)) {
-                return Err("DiLoCo outer lr must be positive, momentum in [0, 1)".into());
-            }
-        }
+        self.sync.validate()?;
         for c in [
             self.codecs.activations,
             self.codecs.activation_grads,
@@ -294,6 +321,7 @@ mod tests {
             h: 0,
             outer_lr: 0.7,
             outer_momentum: 0.9,
+            feedback_decay: 1.0,
         };
         assert!(c.validate().is_err());
         assert!(config().validate().is_ok());

@@ -130,7 +130,12 @@ impl StepCoordinator {
     /// A replica with no stage yet; rounds encode with `codec`.
     pub fn new(settings: Settings, codec: Codec, now: Duration) -> Self {
         StepCoordinator {
-            rounds: Rounds::new(settings.me, codec, settings.timing),
+            rounds: Rounds::new(
+                settings.me,
+                codec,
+                settings.sync.feedback_decay(),
+                settings.timing,
+            ),
             settings,
             checkpoint_every: None,
             step: 0,

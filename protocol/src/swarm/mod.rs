@@ -75,7 +75,10 @@ mod fixtures;
 #[cfg(test)]
 mod tests;
 
-pub use config::{DataSource, RunConfig, RunId, StageCosts, SyncMode, Timing};
+pub use config::{
+    DataSource, PAPER_OUTER_LR, PAPER_OUTER_MOMENTUM, RunConfig, RunId, StageCosts, SyncMode,
+    Timing,
+};
 pub use message::{Announcement, Envelope, MemberState, Message};
 pub use peer::{Action, ComputeDone, Event, Input, Job, Output, Peer, PeerStats, Resume};
 

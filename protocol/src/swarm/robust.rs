@@ -98,6 +98,21 @@ pub fn cosine(own: &[f32], part: &[f32]) -> Option<f64> {
     (norms > 0.0 && norms.is_finite()).then(|| along / norms)
 }
 
+/// A member's own share of a part and the part, where the part has values. A dense part is
+/// judged whole (it is zero almost nowhere). A sparse one carries, where it has values, what
+/// its owner's error feedback held back over several rounds, and nothing elsewhere: only its
+/// direction there can be judged (an honest part's cosine with a member's share there had a
+/// median of 0.91 and a 5th percentile of 0.29 in `nano` DiLoCo rounds with `ctopk:32/4096:2`;
+/// a negated one gives the opposite), not its scale, which depends on how long each value was
+/// held back.
+pub fn on_support(own: &[f32], part: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    own.iter()
+        .zip(part)
+        .filter(|(_, p)| **p != 0.0)
+        .map(|(o, p)| (*o, *p))
+        .unzip()
+}
+
 /// How well an averaged part agrees with one member's own share of it (`own`, a sum over
 /// `samples`): the share's per-sample component along the part, over the part's own length.
 /// About 1 for an honestly reduced part, whatever the signal-to-noise ratio: the part contains

@@ -9,7 +9,7 @@
 //! before this one noticed the step was complete.
 
 use super::PeerKey;
-use super::averaging::{Round, RoundOut};
+use super::averaging::{Feedback, Round, RoundOut};
 use super::config::Timing;
 use super::membership::Membership;
 use super::message::{Message, RoundKey, RoundMsg};
@@ -33,6 +33,8 @@ pub(super) struct Rounds {
     early_joins: Vec<(RoundKey, PeerKey)>,
     /// The leader of the round this replica follows was seen serving the stage.
     leader_seen: bool,
+    /// Error feedback of this replica's rounds at its stage, lent to the current round.
+    feedback: Feedback,
     /// Leaders whose start this replica waited for in vain, by round: passed over when the
     /// round is tried again (they may still take part as members). Every follower of a
     /// leader that withholds its start times out alike, so they pass over the same one.
@@ -61,8 +63,9 @@ struct PassedOver {
 }
 
 impl Rounds {
-    /// No round yet; rounds encode with `codec`.
-    pub fn new(me: PeerKey, codec: Codec, timing: Timing) -> Self {
+    /// No round yet; rounds encode with `codec`, shares with error feedback decaying by
+    /// `feedback_decay` a round.
+    pub fn new(me: PeerKey, codec: Codec, feedback_decay: f32, timing: Timing) -> Self {
         Rounds {
             me,
             codec,
@@ -71,6 +74,7 @@ impl Rounds {
             last: None,
             early_joins: Vec::new(),
             leader_seen: false,
+            feedback: Feedback::new(feedback_decay),
             passed_over: Vec::new(),
             forge_parts: false,
             exclude_others: false,
@@ -155,8 +159,24 @@ impl Rounds {
         round.forge_part = self.forge_parts;
         round.exclude_others = self.exclude_others;
         round.gone.clone_from(&self.banned);
-        self.current = Some(round);
+        self.install(round);
         self.leader_seen = false;
+    }
+
+    /// Makes `round` the current one, lending it the error feedback.
+    fn install(&mut self, mut round: Round) {
+        self.reclaim();
+        let empty = self.feedback.cleared();
+        round.feedback = std::mem::replace(&mut self.feedback, empty);
+        self.current = Some(round);
+    }
+
+    /// Takes the error feedback back from the current round, which is ending.
+    fn reclaim(&mut self) {
+        if let Some(r) = self.current.as_mut() {
+            let empty = r.feedback.cleared();
+            self.feedback = std::mem::replace(&mut r.feedback, empty);
+        }
     }
 
     fn follow(&mut self, key: RoundKey, leader: PeerKey, len: usize, now: Duration) {
@@ -164,7 +184,7 @@ impl Rounds {
         let mut round = Round::follow(key, self.me, leader, len, self.codec, self.timing, now);
         round.forge_part = self.forge_parts;
         round.gone.clone_from(&self.banned);
-        self.current = Some(round);
+        self.install(round);
     }
 
     /// Early joins: a replica that finished round `round - 1` sooner may already have invited
@@ -335,6 +355,7 @@ impl Rounds {
             return None;
         }
         let key = r.key();
+        self.reclaim();
         self.current = None;
         Some(key)
     }
@@ -386,6 +407,7 @@ impl Rounds {
     /// The current round failed for this replica. A leader that never started it is passed
     /// over when it is tried again.
     pub fn fail(&mut self) {
+        self.reclaim();
         let Some(r) = self.current.take() else {
             return;
         };
@@ -404,13 +426,16 @@ impl Rounds {
 
     /// The current round's result is applied: it stays to answer slower members.
     pub fn finish(&mut self) {
+        self.reclaim();
         if let Some(r) = self.current.take() {
             self.last = Some(r);
         }
     }
 
-    /// Forgets every round (the replica leaves its stage); returns the current one's key.
+    /// Forgets every round and what they withheld (the replica leaves its stage, or its
+    /// state is replaced); returns the current one's key.
     pub fn abandon(&mut self) -> Option<RoundKey> {
+        self.feedback = self.feedback.cleared();
         self.last = None;
         self.early_joins.clear();
         self.current.take().map(|r| r.key())

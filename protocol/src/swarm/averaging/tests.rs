@@ -259,13 +259,23 @@ fn parts_far_larger_than_this_members_own_are_refused() {
 /// this member's refusal; with no acceptance from another member (the owner's own vote does
 /// not count) nobody applies it, and the round says so. An honest part is applied as sent.
 /// Either way the member waits for the other's verdict before applying anything.
+///
+/// With a lossy codec, what this member's share of a refused part carried goes back to its
+/// error feedback (nobody applied it); of an applied part, only what the codec dropped stays
+/// there; of its own part, nothing (it travelled uncompressed).
 #[test]
 fn a_part_the_members_refuse_is_applied_by_nobody() {
     let key = RoundKey { stage: 1, index: 0 };
     let (a, b) = (PeerKey(1), PeerKey(2));
     let own: Vec<f32> = (0..8).map(|i| 1.0 + i as f32).collect();
+    // One value of each share sent (its largest, exactly: one kept value is its own scale).
+    let codec = Codec::ChunkTopK {
+        k: 1,
+        chunk: 16,
+        bits: 2,
+    };
     for (sign, refused) in [(1.0f32, false), (-1.0, true)] {
-        let mut r = Round::lead(key, a, &[b], 8, Codec::Fp32, timing(), Duration::ZERO);
+        let mut r = Round::lead(key, a, &[b], 8, codec, timing(), Duration::ZERO);
         r.handle(b, RoundMsg::Join, Duration::ZERO);
         while r.poll().is_some() {}
         r.contribute(&own, 2.0, None, Duration::ZERO);
@@ -330,7 +340,7 @@ fn a_part_the_members_refuse_is_applied_by_nobody() {
                 _ => None,
             })
             .expect("the round finished");
-        let applied = &result.averaged[t];
+        let applied = &result.averaged[t.clone()];
         if refused {
             assert_eq!(result.refused, vec![theirs as u32]);
             assert!(applied.iter().all(|v| *v == 0.0), "{applied:?}");
@@ -338,6 +348,16 @@ fn a_part_the_members_refuse_is_applied_by_nobody() {
             assert!(result.refused.is_empty());
             assert_eq!(applied, &part[..]);
         }
+        let residual = r.feedback.share_residual();
+        assert!(
+            residual[m.clone()].iter().all(|v| *v == 0.0),
+            "{residual:?}"
+        );
+        let mut withheld = own[t.clone()].to_vec();
+        if !refused {
+            *withheld.last_mut().unwrap() = 0.0;
+        }
+        assert_eq!(residual[t.clone()], withheld[..]);
         // Refused or not, the part is evidence against or for its owner.
         assert!(result.evidence.iter().any(|e| matches!(
             e,

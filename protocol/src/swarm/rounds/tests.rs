@@ -14,6 +14,7 @@ fn rounds(me: u64) -> Rounds {
     Rounds::new(
         PeerKey(me),
         Codec::Fp32,
+        1.0,
         Timing {
             join_window: 100 * MS,
             ..Timing::default()
