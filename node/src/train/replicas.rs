@@ -404,14 +404,26 @@ mod tests {
     }
 
     fn replicas(n: usize, stages: usize, sync: SyncMode, codec: Codec, batch: usize) -> Replicas {
+        averaging_with(n, stages, sync, codec, codec, batch)
+    }
+
+    /// `boundaries` between stages, `averaging` between replicas.
+    fn averaging_with(
+        n: usize,
+        stages: usize,
+        sync: SyncMode,
+        boundaries: Codec,
+        averaging: Codec,
+        batch: usize,
+    ) -> Replicas {
         let settings = Settings {
             replicas: n,
             sync,
             batch,
             microbatch: 4,
-            activation_codec: codec,
-            gradient_codec: codec,
-            averaging_codec: codec,
+            activation_codec: boundaries,
+            gradient_codec: boundaries,
+            averaging_codec: averaging,
         };
         Replicas::new(
             (0..n).map(|_| pipeline(stages)).collect(),
@@ -492,5 +504,45 @@ mod tests {
             let ratio = t.fp32_bytes[kind] as f64 / *sent as f64;
             assert!((3.5..4.0).contains(&ratio), "{kind}: int8 ratio {ratio}");
         }
+    }
+
+    /// Error feedback is what lets sparse pseudo-gradients train: 1.6% of each stage's
+    /// values a round, the rest carried to later rounds, against the same codec with the
+    /// feedback decayed to nothing each round (what is not sent is lost). Measured: held-out
+    /// loss 4.11 with feedback, 4.87 without, after 40 steps (8 rounds).
+    #[test]
+    fn error_feedback_lets_sparse_pseudo_gradients_train() {
+        let held_out = |decay: f32| {
+            let sync = SyncMode::DiLoCo {
+                h: 5,
+                outer_lr: 1.0,
+                outer_momentum: 0.5,
+                feedback_decay: decay,
+            };
+            let sparse = Codec::ChunkTopK {
+                k: 64,
+                chunk: 4096,
+                bits: 2,
+            };
+            let mut r = averaging_with(4, 2, sync, Codec::Fp32, sparse, 16);
+            for _ in 0..40 {
+                r.step().expect("step");
+            }
+            let mut loader = DataLoader::new(
+                Corpus::synthetic(SEED),
+                SEED + 1000,
+                Shard::ALL,
+                Preset::Nano.config().context,
+            )
+            .expect("data");
+            r.first_pipeline()
+                .evaluate(&loader.next_batch(64))
+                .expect("evaluate")
+        };
+        let (with, without) = (held_out(1.0), held_out(1e-6));
+        assert!(
+            with < without - 0.5,
+            "{with} with feedback, {without} without"
+        );
     }
 }
