@@ -23,9 +23,9 @@ use anyhow::{Context, bail};
 use serde::Serialize;
 use shoal_compute::{AnyBackend, Coupling, DataLoader, LocalPipeline, Transit};
 use shoal_protocol::swarm::SyncMode;
-use shoal_protocol::swarm::averaging::part_range;
+use shoal_protocol::swarm::averaging::{Feedback, part_range};
 use shoal_protocol::swarm::robust::{self, Share};
-use shoal_protocol::{Codec, Decoder, Encoder, ErrorFeedback};
+use shoal_protocol::{Codec, Decoder, Encoder};
 use std::collections::BTreeMap;
 
 /// Bytes sent by traffic kind, encoded and as fp32.
@@ -113,9 +113,9 @@ pub struct Replicas {
     samples_since_outer: Vec<f64>,
     encoder: Encoder,
     decoder: Decoder,
-    /// Error feedback per replica and stage: of its shares, and of the parts it owns.
-    share_feedback: Vec<Vec<ErrorFeedback>>,
-    part_feedback: Vec<Vec<ErrorFeedback>>,
+    /// The swarm's error feedback, per replica and stage: of its shares and of the parts it
+    /// owns.
+    feedback: Vec<Vec<Feedback>>,
     averaging: Traffic,
 }
 
@@ -145,11 +145,16 @@ impl Replicas {
             .map(|s| s.download_params())
             .collect::<Result<Vec<_>, _>>()?;
         let momentum = anchors.iter().map(|a| vec![0.0; a.len()]).collect();
-        let feedback =
-            |decay| vec![vec![ErrorFeedback::with_decay(decay); anchors.len()]; settings.replicas];
+        let (codec, decay) = (settings.averaging_codec, settings.sync.feedback_decay());
+        let feedback = (0..settings.replicas)
+            .map(|_| {
+                (0..anchors.len())
+                    .map(|_| Feedback::new(codec, decay))
+                    .collect()
+            })
+            .collect();
         Ok(Replicas {
-            share_feedback: feedback(settings.sync.feedback_decay()),
-            part_feedback: feedback(settings.sync.feedback_decay()),
+            feedback,
             samples_since_outer: vec![0.0; settings.replicas],
             boundaries: Boundaries {
                 activations: settings.activation_codec,
@@ -272,7 +277,6 @@ impl Replicas {
     ) -> anyhow::Result<Vec<f32>> {
         let n = contributions.len();
         let len = contributions.first().map_or(0, |c| c.0.len());
-        let codec = self.settings.averaging_codec;
         let mut out = vec![0.0f32; len];
         let mut buf = Vec::new();
         for owner in 0..n {
@@ -280,20 +284,14 @@ impl Replicas {
             let mut received: Vec<Vec<f32>> = Vec::with_capacity(n);
             for (i, (values, _)) in contributions.iter().enumerate() {
                 let slice = &values[range.clone()];
+                let feedback = &mut self.feedback[i][stage];
                 if i == owner || n == 1 || slice.is_empty() {
-                    received.push(slice.to_vec());
+                    // Kept by its owner: what was withheld there goes with it, uncompressed.
+                    received.push(feedback.own_share(slice, range.clone(), len));
                     continue;
                 }
-                self.share_feedback[i][stage]
-                    .encode_part(
-                        &mut self.encoder,
-                        codec,
-                        slice,
-                        range.start,
-                        len,
-                        &[slice.len()],
-                        &mut buf,
-                    )
+                feedback
+                    .encode_share(&mut self.encoder, slice, range.clone(), len, &mut buf)
                     .context("encoding a share")?;
                 self.averaging.add("averaging", buf.len(), slice.len());
                 let mut decoded = Vec::new();
@@ -316,16 +314,8 @@ impl Replicas {
                 continue;
             }
             // Sent once to each other replica; the owner applies the decoded values too.
-            self.part_feedback[owner][stage]
-                .encode_part(
-                    &mut self.encoder,
-                    codec,
-                    &part,
-                    range.start,
-                    len,
-                    &[part.len()],
-                    &mut buf,
-                )
+            self.feedback[owner][stage]
+                .encode_part(&mut self.encoder, &part, range.clone(), len, &mut buf)
                 .context("encoding a part")?;
             for _ in 1..n {
                 self.averaging.add("averaging", buf.len(), part.len());

@@ -227,7 +227,7 @@ impl Round {
             out: VecDeque::new(),
             encoder: Encoder::new(),
             decoder: Decoder::with_max_elements(len),
-            feedback: Feedback::default(),
+            feedback: Feedback::new(codec, 1.0),
         }
     }
 
@@ -421,18 +421,12 @@ impl Round {
         self.own_scale = norms::rms(values) / samples.max(1.0);
         self.own = values.to_vec();
         self.started = now;
-        let lossy = !self.codec.is_lossless();
-        if lossy {
-            self.feedback.begin(self.len);
-        }
+        self.feedback.begin(self.len);
         let mut buf = Vec::new();
         for j in 0..self.group.len() {
             let r = self.range(j);
             if j == me {
-                let share = match lossy {
-                    true => self.feedback.own_share(&values[r.clone()], r, self.len),
-                    false => values[r].to_vec(),
-                };
+                let share = self.feedback.own_share(&values[r.clone()], r, self.len);
                 self.shares.insert(self.me, (share, samples, loss));
                 continue;
             }
@@ -440,20 +434,11 @@ impl Round {
                 continue;
             }
             let share = &values[r.clone()];
-            let encoded = match lossy {
-                true => self.feedback.encode_share(
-                    &mut self.encoder,
-                    self.codec,
-                    share,
-                    r,
-                    self.len,
-                    &mut buf,
-                ),
-                false => self
-                    .encoder
-                    .encode(self.codec, share, &[share.len()], &mut buf),
-            };
-            if encoded.is_ok() {
+            if self
+                .feedback
+                .encode_share(&mut self.encoder, share, r, self.len, &mut buf)
+                .is_ok()
+            {
                 self.out.push_back(RoundOut::Send(
                     self.group[j],
                     RoundMsg::Part {
@@ -779,18 +764,10 @@ impl Round {
             // Alone: nothing travels, so nothing needs compressing.
             self.averaged[me] = Some(avg);
         } else if r.is_empty()
-            || match self.codec.is_lossless() {
-                true => self.encoder.encode(self.codec, &avg, &[r.len()], &mut data),
-                false => self.feedback.encode_part(
-                    &mut self.encoder,
-                    self.codec,
-                    &avg,
-                    r.clone(),
-                    self.len,
-                    &mut data,
-                ),
-            }
-            .is_err()
+            || self
+                .feedback
+                .encode_part(&mut self.encoder, &avg, r.clone(), self.len, &mut data)
+                .is_err()
         {
             self.averaged[me] = Some(avg);
         } else {

@@ -74,7 +74,7 @@ impl Rounds {
             last: None,
             early_joins: Vec::new(),
             leader_seen: false,
-            feedback: Feedback::new(feedback_decay),
+            feedback: Feedback::new(codec, feedback_decay),
             passed_over: Vec::new(),
             forge_parts: false,
             exclude_others: false,
