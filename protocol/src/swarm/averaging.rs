@@ -648,30 +648,9 @@ impl Round {
                         self.violation(from, "an averaged part far larger than this member's own");
                     }
                     Some(v) => {
-                        let own = self.own.get(self.range(j)).unwrap_or_default();
-                        // Judged where the part has values: a sparse part's are where its
-                        // owner's error feedback put them (see [`robust::on_support`]).
-                        let (own_there, part_there) = robust::on_support(own, &v);
-                        let cosine = robust::cosine(&own_there, &part_there);
-                        let agreement = match self.codec.is_sparse() {
-                            true => cosine,
-                            false => robust::agreement(own, self.own_samples, &v),
-                        };
-                        // A part relayed while filling is not the relayer's work: no evidence
-                        // (but it is voted on like the owner's).
-                        if let Some(agreement) =
-                            agreement.filter(|_| self.phase == Phase::Exchanging)
-                        {
-                            self.evidence.push(Evidence::Part {
-                                peer: from,
-                                agreement,
-                            });
-                        }
+                        self.judge_part(from, j, &v);
                         if self.phase == Phase::Exchanging {
                             self.heard.insert(from);
-                        }
-                        if Some(j) != self.my_index() && self.own_samples > 0.0 {
-                            self.votes[j] = vote::judge(cosine, self.forge_part);
                         }
                         self.averaged[j] = Some(v);
                         if self.loss.is_none() {
@@ -844,13 +823,10 @@ impl Round {
             .my_index()
             .and_then(|m| self.encoded.get(&(m as u32)).map(|e| e.0))
             .unwrap_or(self.own_samples);
-        for &j in zeroed.iter().chain(&refused) {
-            let r = self.range(j as usize);
-            if let Some(own) = self.own.get(r.clone()) {
-                self.feedback.undelivered(r, own);
-            }
-        }
-        self.feedback.done();
+        let (len, n) = (self.len, self.group.len());
+        let undelivered = zeroed.iter().chain(&refused);
+        let undelivered = undelivered.map(|&j| part_range(len, n, j as usize));
+        self.feedback.finished(undelivered, &self.own);
         self.phase = Phase::Done;
         self.deadline = None;
         self.out.push_back(RoundOut::Finished(RoundResult {

@@ -105,10 +105,22 @@ impl Feedback {
         encode(&mut self.parts, encoder, self.codec, part, range, len, out)
     }
 
+    /// The round is over and the parts at `undelivered` were applied by nobody: this
+    /// replica's share of each (`own` is its whole contribution) is withheld again in full,
+    /// and if it owned one, its encoding withheld nothing. The other encodings stand.
+    pub fn finished(&mut self, undelivered: impl Iterator<Item = Range<usize>>, own: &[f32]) {
+        for range in undelivered {
+            if let Some(own) = own.get(range.clone()) {
+                self.undelivered(range, own);
+            }
+        }
+        self.done();
+    }
+
     /// Nobody applied the part at `range`: this replica's share of it (`own`, as
     /// contributed) is withheld again in full, and if it owned the part, its encoding
     /// withheld nothing.
-    pub fn undelivered(&mut self, range: Range<usize>, own: &[f32]) {
+    fn undelivered(&mut self, range: Range<usize>, own: &[f32]) {
         if self.shares_before.len() > range.start && own.len() == range.len() {
             let len = self.shares_before.len();
             let residual = self.shares.residual_mut(len);
@@ -152,7 +164,7 @@ impl Feedback {
     }
 
     /// The round is over: its encodings stand.
-    pub fn done(&mut self) {
+    fn done(&mut self) {
         self.shares_before.clear();
         self.parts_before = None;
     }

@@ -3,11 +3,35 @@
 
 use super::{Phase, Round, RoundMsg, RoundOut};
 use crate::swarm::PeerKey;
+use crate::swarm::bans::Evidence;
 use crate::swarm::message::Vote;
 use crate::swarm::robust;
 use std::time::Duration;
 
 impl Round {
+    /// How this member finds part `j`, received from `from`: its vote on it, and (from its
+    /// owner, not relayed while filling: a relayer did not compute it) the evidence against
+    /// or for the owner. Judged where the part has values: a sparse part's are where its
+    /// owner's error feedback put them (see [`robust::on_support`]).
+    pub(super) fn judge_part(&mut self, from: PeerKey, j: usize, part: &[f32]) {
+        let own = self.own.get(self.range(j)).unwrap_or_default();
+        let (own_there, part_there) = robust::on_support(own, part);
+        let cosine = robust::cosine(&own_there, &part_there);
+        let agreement = match self.codec.is_sparse() {
+            true => cosine,
+            false => robust::agreement(own, self.own_samples, part),
+        };
+        if let Some(agreement) = agreement.filter(|_| self.phase == Phase::Exchanging) {
+            self.evidence.push(Evidence::Part {
+                peer: from,
+                agreement,
+            });
+        }
+        if Some(j) != self.my_index() && self.own_samples > 0.0 {
+            self.votes[j] = judge(cosine, self.forge_part);
+        }
+    }
+
     /// Every part is in, or given up on (`zeroed`): tell the others how this member found
     /// each part, and wait for theirs.
     pub(super) fn vote(&mut self, zeroed: Vec<u32>, now: Duration) {
@@ -144,7 +168,7 @@ fn count(group: &[PeerKey], ballots: &[(PeerKey, &[Vote])], j: usize) -> (usize,
 /// How a member finds a part from the [`robust::cosine`] between its own share and it (None:
 /// either is zero). A scripted forger votes the other way: for the forged parts, against the
 /// honest ones.
-pub(super) fn judge(cosine: Option<f64>, inverted: bool) -> Vote {
+fn judge(cosine: Option<f64>, inverted: bool) -> Vote {
     let found = match cosine {
         Some(c) if c > robust::VOTE_COSINE => Vote::Accept,
         Some(c) if c < -robust::VOTE_COSINE => Vote::Refuse,
