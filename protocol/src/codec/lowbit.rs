@@ -37,18 +37,18 @@ pub(super) fn payload_len(n: usize, bits: u8, block: u32) -> usize {
 /// Appends the encoding of `input` (finite) to `out`.
 pub(super) fn write(input: &[f32], bits: u8, block: u32, out: &mut Vec<u8>) {
     let l = top(bits);
-    let mut scales = Vec::with_capacity(input.len().div_ceil(block as usize));
+    // The scales go first on the wire; the values are packed from them as written.
+    let scales_at = out.len();
     for x in input.chunks(block as usize) {
         let absmax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        scales.push(absmax / l as f32);
-    }
-    for s in &scales {
-        out.extend_from_slice(&s.to_le_bytes());
+        out.extend_from_slice(&(absmax / l as f32).to_le_bytes());
     }
     let per_byte = 8 / bits as usize;
     let mut byte = 0u8;
     let mut filled = 0;
-    for (x, &scale) in input.chunks(block as usize).zip(&scales) {
+    for (b, x) in input.chunks(block as usize).enumerate() {
+        let at = scales_at + 4 * b;
+        let scale = f32::from_le_bytes([out[at], out[at + 1], out[at + 2], out[at + 3]]);
         let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
         for &v in x {
             let q = ((v * inv).round() as i32).clamp(-l, l) + l;
