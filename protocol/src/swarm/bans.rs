@@ -269,6 +269,14 @@ impl Bans {
             .collect()
     }
 
+    /// This peer leaves its stage: what it saw of that stage's members says nothing of the
+    /// stage it goes to (a peer that moved with it would otherwise count there as a replica
+    /// it worked with, the only one, and be the only leader it follows). Bans and standing
+    /// accusations stay.
+    pub fn left_stage(&mut self) {
+        self.seen.clear();
+    }
+
     /// Takes in what a round showed of the members of this peer's stage. Returns the members
     /// whose accusation changed (to check for a ban).
     pub fn observe(&mut self, evidence: &[Evidence], now: Duration) -> Vec<PeerKey> {
@@ -471,6 +479,17 @@ mod tests {
             why: Misconduct::OpposedTheStage,
         });
         m.update(PeerKey(accuser), a, Duration::ZERO);
+    }
+
+    /// What a peer saw of its stage's members does not follow it to another stage: a peer
+    /// that worked with it there is no replica it worked with in the new one.
+    #[test]
+    fn a_peer_that_leaves_its_stage_forgets_the_work_it_saw_there() {
+        let mut b = Bans::new(Duration::ZERO);
+        b.observe(&[share(PeerKey(2), s(1.0))], Duration::ZERO);
+        assert!(b.worked(PeerKey(2)) && b.verified(PeerKey(2)));
+        b.left_stage();
+        assert!(!b.worked(PeerKey(2)) && !b.verified(PeerKey(2)));
     }
 
     #[test]

@@ -733,6 +733,9 @@ impl Peer {
         }
         let source = (!replicas.is_empty())
             .then(|| replicas[(self.rng.next_u64() % replicas.len() as u64) as usize]);
+        if self.role.stage().is_some_and(|s| s != stage) {
+            self.bans.left_stage();
+        }
         self.abandon_stage_work();
         self.steps.set_elders(self.members.replicas(stage));
         let max_bytes = self.costs.max_state_bytes(stage as usize);
