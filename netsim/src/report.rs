@@ -50,6 +50,9 @@ pub struct Report {
     pub tokens_curve: Vec<(f64, u64)>,
     /// Bytes sent, by kind of traffic.
     pub bytes: BTreeMap<String, u64>,
+    /// Activation and activation-gradient messages sent, by the codec their sender chose for
+    /// the hop (`int8`, `int4`, ...).
+    pub boundary_codecs: BTreeMap<String, u64>,
     /// Tokens trained.
     pub tokens: u64,
     /// Microbatches given up.
@@ -168,6 +171,16 @@ impl Report {
                 format!("{} ({:.0} B/token)", human(b), self.bytes_per_token(kind)),
             );
         }
+        let codecs: Vec<String> = self
+            .boundary_codecs
+            .iter()
+            .map(|(c, n)| format!("{c} {n}"))
+            .collect();
+        row(
+            &mut out,
+            "boundary codecs",
+            format!("{} (messages)", codecs.join(", ")),
+        );
         row(
             &mut out,
             "microbatches",

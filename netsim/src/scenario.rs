@@ -4,12 +4,13 @@ use crate::device::DeviceProfile;
 use crate::link::LinkProfile;
 use serde::Deserialize;
 use shoal_compute::StageSpec;
+use shoal_protocol::TrafficCodecs;
 use shoal_protocol::swarm::attack::Behavior;
 use shoal_protocol::swarm::membership::Routing;
 use shoal_protocol::swarm::{
     DataSource, PAPER_OUTER_LR, PAPER_OUTER_MOMENTUM, RunConfig, SyncMode,
 };
-use shoal_protocol::{Codec, TrafficCodecs};
+use std::str::FromStr;
 
 /// A scenario as written.
 #[derive(Clone, Debug, Deserialize)]
@@ -54,14 +55,15 @@ pub struct RunSection {
     pub microbatch: u32,
     /// Optimizer steps to simulate.
     pub steps: u64,
-    /// Codec of activations.
-    #[serde(default = "int8")]
+    /// Codec of activations: one codec, `LIGHT,STRONG` chosen per hop, or `auto`.
+    #[serde(default = "auto")]
     pub activation_codec: String,
-    /// Codec of activation gradients and of averaging (unless `averaging_codec` is given).
-    #[serde(default = "int8")]
+    /// Codec of activation gradients, likewise.
+    #[serde(default = "auto")]
     pub gradient_codec: String,
-    /// Codec of averaging, if it differs from `gradient_codec`.
-    pub averaging_codec: Option<String>,
+    /// Codec of averaging.
+    #[serde(default = "int8")]
+    pub averaging_codec: String,
     /// Tokens per sample (default: the preset's context).
     pub seq: Option<u32>,
     /// Peak learning rate (default: the preset's).
@@ -81,6 +83,10 @@ pub struct RunSection {
 fn allreduce() -> String {
     "allreduce".into()
 }
+fn auto() -> String {
+    "auto".into()
+}
+
 fn int8() -> String {
     "int8".into()
 }
@@ -267,7 +273,7 @@ pub struct Setup {
     pub sim: SimSection,
 }
 
-fn codec(name: &str, what: &str) -> Result<Codec, String> {
+fn codec<C: FromStr<Err = String>>(name: &str, what: &str) -> Result<C, String> {
     name.parse().map_err(|e| format!("{what}: {e}"))
 }
 
@@ -314,14 +320,10 @@ impl Scenario {
             .into_iter()
             .find(|c| c.name() == r.compute)
             .ok_or_else(|| format!("[run] compute: '{}' (real or modelled)", r.compute))?;
-        let gradients = codec(&r.gradient_codec, "[run] gradient_codec")?;
         let codecs = TrafficCodecs {
             activations: codec(&r.activation_codec, "[run] activation_codec")?,
-            activation_grads: gradients,
-            averaging: match &r.averaging_codec {
-                Some(c) => codec(c, "[run] averaging_codec")?,
-                None => gradients,
-            },
+            activation_grads: codec(&r.gradient_codec, "[run] gradient_codec")?,
+            averaging: codec(&r.averaging_codec, "[run] averaging_codec")?,
         };
         if r.steps == 0 {
             return Err("[run] steps must be at least 1".into());
@@ -435,6 +437,7 @@ impl Scenario {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use shoal_protocol::{Codec, HopCodec};
 
     const EXAMPLE: &str = r#"
 [run]
@@ -444,8 +447,9 @@ sync = "allreduce"       # or "diloco"; diloco_h = 8
 global_batch = 64        # samples per optimizer step
 microbatch = 8
 steps = 40               # optimizer steps to simulate
-activation_codec = "int8"
-gradient_codec = "int8"
+activation_codec = "auto"
+gradient_codec = "int8,int4"
+averaging_codec = "int8"
 
 [[peers]]                # a group of identical peers
 count = 4
@@ -470,6 +474,9 @@ count = 2                # peers chosen by the seed (or `peers = [ids]`)
         assert_eq!(s.groups[0].stage, Some(0));
         assert_eq!(s.events[0].kind, EventKind::Crash);
         assert_eq!(s.events[0].count, 2);
+        assert_eq!(s.config.codecs.activations, HopCodec::AUTO);
+        assert_eq!(s.config.codecs.activation_grads, HopCodec::AUTO);
+        assert_eq!(s.config.codecs.averaging, Codec::default());
     }
 
     #[test]
@@ -494,6 +501,8 @@ count = 2                # peers chosen by the seed (or `peers = [ids]`)
                 "unknown field",
             ),
             (EXAMPLE.replace("\"int8\"", "\"int3\""), "unknown codec"),
+            (EXAMPLE.replace("int8,int4", "int8,int3"), "gradient_codec"),
+            (EXAMPLE.replace("int8,int4", "int8,int4:7"), "block"),
             (
                 EXAMPLE.replace("steps = 40", "steps = 40\ncompute = \"guessed\""),
                 "real or modelled",

@@ -22,6 +22,7 @@ use shoal_protocol::swarm::{
     SeededRng, StageCosts, SyncMode, Timing,
 };
 use shoal_protocol::wire::FRAME_HEADER_LEN;
+use shoal_protocol::{Encoding, TensorHeader};
 use shoal_worker::{StageWorker, model_of, stage_costs};
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -148,6 +149,15 @@ enum Ev {
         from: usize,
         msg: Message,
     },
+    /// A message's acknowledgement reached its sender `peer`: the transfer took `elapsed` on a
+    /// path whose round trip is `rtt`.
+    Delivered {
+        peer: usize,
+        to: usize,
+        bytes: u64,
+        elapsed: u64,
+        rtt: u64,
+    },
     /// A send failed (the receiver is unreachable and the connection timed out).
     SendFailed { peer: usize, to: PeerKey },
     /// A peer's connection to another closed or timed out.
@@ -165,6 +175,7 @@ impl Ev {
             Ev::Script(i) => (1, *i as u64, 0),
             Ev::Deliver { to, from, .. } => (2, *to as u64, *from as u64),
             Ev::SendFailed { peer, to } => (3, *peer as u64, to.0),
+            Ev::Delivered { peer, to, .. } => (7, *peer as u64, *to as u64),
             Ev::PeerLost { peer, lost } => (4, *peer as u64, *lost as u64),
             Ev::Computed { peer, .. } => (5, *peer as u64, 0),
             Ev::Timer { peer } => (6, *peer as u64, 0),
@@ -235,6 +246,7 @@ pub struct Sim {
     loss_curve: Vec<(f64, u64, f64)>,
     tokens_curve: Vec<(f64, u64)>,
     bytes: BTreeMap<Traffic, u64>,
+    boundary_codecs: BTreeMap<String, u64>,
     committed: BTreeSet<(u32, u64)>,
     double_commits: u64,
     resyncs: u64,
@@ -281,6 +293,7 @@ impl Sim {
             loss_curve: Vec::new(),
             tokens_curve: vec![(0.0, 0)],
             bytes: BTreeMap::new(),
+            boundary_codecs: BTreeMap::new(),
             committed: BTreeSet::new(),
             double_commits: 0,
             resyncs: 0,
@@ -395,6 +408,20 @@ impl Sim {
                 let key = self.peers[from].key;
                 self.peers[to].machine.handle_message(key, msg, now);
                 self.after(to);
+            }
+            Ev::Delivered {
+                peer,
+                to,
+                bytes,
+                elapsed,
+                rtt,
+            } => {
+                if self.peers[peer].alive() {
+                    let key = self.peers[to].key;
+                    let m = &mut self.peers[peer].machine;
+                    m.handle_rtt(key, Duration::from_nanos(rtt));
+                    m.handle_delivered(key, bytes, Duration::from_nanos(elapsed));
+                }
             }
             Ev::SendFailed { peer, to } => {
                 if self.peers[peer].alive() {
@@ -686,6 +713,14 @@ impl Sim {
         let env = Envelope { run: self.run, msg };
         let bytes = (env.to_bytes().len() + FRAME_HEADER_LEN) as u64;
         *self.bytes.entry(env.msg.traffic()).or_default() += bytes;
+        let tensor = match &env.msg {
+            Message::Forward(f) => Some(&f.activations),
+            Message::Backward(b) => Some(&b.grad),
+            _ => None,
+        };
+        if let Some(codec) = tensor.and_then(|t| codec_name(t)) {
+            *self.boundary_codecs.entry(codec).or_default() += 1;
+        }
         let reachable = self.peers[to].alive() && self.peers[to].side == self.peers[from].side;
         if !reachable {
             let cut = match self.peers[to].gone_at {
@@ -700,6 +735,20 @@ impl Sim {
             let (a, b) = pair(&mut self.peers, from, to);
             deliver(now, bytes, &mut a.link, &mut b.link)
         };
+        if !matches!(env.msg, Message::Announce(_)) {
+            // The node times every message but gossip from its hand-over to the receiver's
+            // acknowledgement, one path latency after the arrival.
+            let latency = self.latency(from, to);
+            let acked = at + latency;
+            let ev = Ev::Delivered {
+                peer: from,
+                to,
+                bytes,
+                elapsed: ns(acked) - ns(now),
+                rtt: ns(2.0 * latency),
+            };
+            self.schedule(ns(acked), ev);
+        }
         self.schedule(
             ns(at),
             Ev::Deliver {
@@ -822,6 +871,20 @@ impl Sim {
             _ => {}
         }
     }
+}
+
+/// The codec a tensor message was encoded with, by name (None if it does not parse).
+fn codec_name(tensor: &[u8]) -> Option<String> {
+    let header = TensorHeader::parse(tensor, usize::MAX).ok()?;
+    Some(match header.encoding {
+        Encoding::Fp32 => "fp32".into(),
+        Encoding::Fp16 => "fp16".into(),
+        Encoding::Bf16 => "bf16".into(),
+        Encoding::Int8 { .. } => "int8".into(),
+        Encoding::LowBit { bits, .. } => format!("int{bits}"),
+        Encoding::TopK { .. } => "topk".into(),
+        Encoding::ChunkTopK { .. } => "ctopk".into(),
+    })
 }
 
 /// Two distinct peers, mutably.

@@ -150,13 +150,15 @@ pub struct RunArgs {
     /// built-in synthetic corpus).
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Codec of activations (fp32, fp16, bf16, int8, int8:BLOCK, topk:P%[:int8],
-    /// ctopk:K/CHUNK:BITS).
-    #[arg(long, default_value = "int8")]
-    pub activation_codec: shoal_protocol::Codec,
-    /// Codec of activation gradients.
-    #[arg(long, default_value = "int8")]
-    pub gradient_codec: shoal_protocol::Codec,
+    /// Codec of activations (fp32, fp16, bf16, int8[:BLOCK], int4[:BLOCK], int2[:BLOCK],
+    /// topk:P%[:int8], ctopk:K/CHUNK:BITS), or two as LIGHT,STRONG: each hop sends the light
+    /// one while its link keeps pace with the stage's device and the strong one otherwise;
+    /// auto is int8,int4.
+    #[arg(long, default_value = "auto")]
+    pub activation_codec: shoal_protocol::HopCodec,
+    /// Codec of activation gradients (as --activation-codec).
+    #[arg(long, default_value = "auto")]
+    pub gradient_codec: shoal_protocol::HopCodec,
     /// Codec of gradient / pseudo-gradient averaging between replicas.
     #[arg(long, default_value = "int8")]
     pub averaging_codec: shoal_protocol::Codec,

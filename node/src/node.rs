@@ -203,6 +203,8 @@ fn report_event(event: NodeEvent, control: bool) {
             json!({"event": "relay_reservation", "addr": addr.to_string()})
         }
         NodeEvent::HolePunched(p) => json!({"event": "hole_punched", "peer": p.to_string()}),
+        // Every 15 s per connection: the training loop's business, not an event to print.
+        NodeEvent::Rtt(..) => return,
     };
     if control {
         emit(value);

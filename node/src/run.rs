@@ -401,7 +401,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
 
     let mut ids: HashMap<PeerKey, PeerId> = HashMap::new();
     let (failed_tx, mut failed_rx) = mpsc::unbounded_channel::<PeerKey>();
-    let (sent_tx, mut sent_rx) = mpsc::unbounded_channel::<(Traffic, u64)>();
+    let (sent_tx, mut sent_rx) = mpsc::unbounded_channel::<(PeerKey, Traffic, u64, Duration)>();
     let mut tally = Tally::default();
     let mut printed_join = false;
     let mut progress = Progress::new();
@@ -447,6 +447,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     ids.insert(key_of(&p), p);
                 }
                 NodeEvent::Disconnected(p) => peer.handle_peer_lost(key_of(&p), now()),
+                NodeEvent::Rtt(p, rtt) => peer.handle_rtt(key_of(&p), rtt),
                 _ => {}
             },
             Some(frame) = frames.recv() => {
@@ -492,8 +493,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                 peer.handle_compute_done(done, now())
             }
             Some(k) = failed_rx.recv() => peer.handle_send_failed(k, now()),
-            Some((traffic, bytes)) = sent_rx.recv() => {
+            Some((to, traffic, bytes, elapsed)) = sent_rx.recv() => {
                 *tally.bytes_sent.entry(traffic).or_default() += bytes;
+                peer.handle_delivered(to, bytes, elapsed);
             }
         }
         while let Some(action) = peer.poll_action() {
@@ -509,9 +511,11 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     // Each message on its own task and stream: many in flight, none blocking
                     // another; the protocol does not rely on ordering between messages.
                     tokio::spawn(async move {
+                        let began = Instant::now();
                         match h.send_frame(pid, FrameKind::Tensor, &bytes).await {
                             Ok(()) => {
-                                let _ = sent.send((traffic, bytes.len() as u64));
+                                let took = began.elapsed();
+                                let _ = sent.send((to, traffic, bytes.len() as u64, took));
                             }
                             Err(e) => {
                                 tracing::info!("send to {pid} failed: {e}");

@@ -221,6 +221,29 @@ impl Codec {
         }
     }
 
+    /// Payload bits per value of a large tensor, headers aside: what a sender plans a
+    /// transfer with before encoding (sparse codecs: their kept values and typical position
+    /// cost, about 8 bits each for Rice-coded chunk positions, 14 for top-k's compressed
+    /// deltas).
+    pub fn nominal_bits_per_value(&self) -> f64 {
+        match *self {
+            Codec::Fp32 => 32.0,
+            Codec::Fp16 | Codec::Bf16 => 16.0,
+            Codec::Int8 { block } => 8.0 + 32.0 / f64::from(block.max(1)),
+            Codec::LowBit { bits, block } => f64::from(bits) + 32.0 / f64::from(block.max(1)),
+            Codec::TopK { ppm, values } => {
+                let value = match values {
+                    ValueFormat::Fp16 => 16.0,
+                    ValueFormat::Int8 => 8.0,
+                };
+                f64::from(ppm) / 1e6 * (value + 14.0)
+            }
+            Codec::ChunkTopK { k, chunk, bits } => {
+                f64::from(k) / f64::from(chunk.max(1)) * (f64::from(bits) + 8.0)
+            }
+        }
+    }
+
     /// Values kept by top-k out of `n` (at least one of a non-empty tensor).
     pub fn topk_count(ppm: u32, n: usize) -> usize {
         if n == 0 {

@@ -107,6 +107,92 @@ fn modelled_compute_times_and_sends_what_real_compute_does() {
     assert_eq!(modelled.recoveries.len(), real.recoveries.len(), "{tables}");
 }
 
+/// `micro` in 2 stages with modelled compute, its 6 peers on `fast` or `slow` links.
+fn two_stages_on(fast: &str, slow: &str) -> String {
+    format!(
+        r#"
+[run]
+preset = "micro"
+stages = 2
+global_batch = 64
+microbatch = 8
+steps = 20
+compute = "modelled"
+
+[[peers]]
+count = 2
+device = "rtx3090"
+link = "{fast}"
+stage = 0
+
+[[peers]]
+count = 2
+device = "rtx3090"
+link = "{fast}"
+stage = 1
+
+[[peers]]
+count = 1
+device = "rtx3090"
+link = "{slow}"
+stage = 0
+
+[[peers]]
+count = 1
+device = "rtx3090"
+link = "{slow}"
+stage = 1
+"#
+    )
+}
+
+/// With no codec named, each boundary hop goes out in int8 while its link keeps pace with
+/// the sender's device and in int4 where it does not: all int8 among peers on 10 Gbit/s
+/// links, mostly int4 among peers on home links (the first messages of each link go out
+/// before it is measured), both in a swarm that mixes them; a codec named is used
+/// everywhere.
+#[test]
+fn each_boundary_hop_picks_its_codec_from_its_link() {
+    let count = |r: &Report, codec: &str| r.boundary_codecs.get(codec).copied().unwrap_or(0);
+    let fast = run(&two_stages_on("metro", "metro"), 1);
+    let slow = run(&two_stages_on("home", "home"), 1);
+    let mixed = run(&two_stages_on("metro", "home"), 1);
+    let named = run(
+        &two_stages_on("home", "home").replace(
+            "steps = 20",
+            "steps = 20\nactivation_codec = \"int8\"\ngradient_codec = \"int8\"",
+        ),
+        1,
+    );
+    let tables = format!(
+        "fast:\n{}\nslow:\n{}\nmixed:\n{}\nnamed:\n{}",
+        fast.table(),
+        slow.table(),
+        mixed.table(),
+        named.table()
+    );
+    for r in [&fast, &slow, &mixed, &named] {
+        assert!(r.finished, "{tables}");
+    }
+    assert!(
+        count(&fast, "int8") > 0 && count(&fast, "int4") == 0,
+        "{tables}"
+    );
+    assert!(count(&slow, "int4") > 9 * count(&slow, "int8"), "{tables}");
+    assert!(
+        count(&mixed, "int8") > 0 && count(&mixed, "int4") > 0,
+        "{tables}"
+    );
+    assert!(
+        count(&named, "int8") > 0 && count(&named, "int4") == 0,
+        "{tables}"
+    );
+    assert!(
+        slow.bytes_per_token("activations") < 0.6 * named.bytes_per_token("activations"),
+        "{tables}"
+    );
+}
+
 /// Rebalancing, end to end: the shipped `uneven` swarm starts with its fast peers crowding the
 /// first stage; peers move until the slowest stage is much faster, no peer moves twice, and
 /// the run finishes with every sample applied at most once.
@@ -152,6 +238,7 @@ fn the_shipped_scenarios_are_valid() {
             "demo",
             "hetero",
             "hetero-nano",
+            "home",
             "loopback",
             "regions",
             "regions-nano",

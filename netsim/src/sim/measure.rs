@@ -157,6 +157,7 @@ impl Sim {
                     )
                 })
                 .collect(),
+            boundary_codecs: self.boundary_codecs,
             tokens: self.tokens,
             microbatches_dropped: dropped,
             microbatches_retried: retried,

@@ -316,6 +316,11 @@ impl SwarmState {
                 remote_peer_id,
                 result: Ok(_),
             })) => out.push(NodeEvent::HolePunched(remote_peer_id)),
+            SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event {
+                peer,
+                result: Ok(rtt),
+                ..
+            })) => out.push(NodeEvent::Rtt(peer, rtt)),
             SwarmEvent::IncomingConnectionError {
                 error,
                 send_back_addr,

@@ -187,6 +187,8 @@ pub enum NodeEvent {
     RelayReservation(Multiaddr),
     /// A direct connection replaced a relayed one (hole punching worked).
     HolePunched(PeerId),
+    /// libp2p's ping measured the round trip to a peer.
+    Rtt(PeerId, Duration),
 }
 
 enum Command {

@@ -192,13 +192,13 @@ impl RunConfig {
             return Err("max steps must be at least 1".into());
         }
         self.sync.validate()?;
-        for c in [
-            self.codecs.activations,
-            self.codecs.activation_grads,
-            self.codecs.averaging,
-        ] {
+        for c in [self.codecs.activations, self.codecs.activation_grads] {
             c.validate().map_err(|e| e.to_string())?;
         }
+        self.codecs
+            .averaging
+            .validate()
+            .map_err(|e| e.to_string())?;
         Ok(())
     }
 }

@@ -16,6 +16,9 @@
 //! * `service.rs` (`Service`): the next stage's replicas as this peer times them; a replica
 //!   that answers far later than its stage's typical time loses routing weight, whatever it
 //!   announces.
+//! * [`links`]: the rate and round trip this peer measured to each peer it sends to, and the
+//!   codec each stage-boundary hop goes out in (light where the link keeps pace with the
+//!   device, strong where it does not).
 //! * [`ledger`]: the data driver's record of every microbatch in flight: deadlines, retries,
 //!   at-most-once commit.
 //! * [`averaging`]: one fault-tolerant, compressed reduce-scatter/all-gather round among the
@@ -55,6 +58,7 @@ mod driver;
 mod exports;
 mod interface;
 pub mod ledger;
+pub mod links;
 pub mod membership;
 pub mod message;
 pub mod norms;

@@ -18,6 +18,7 @@ use super::coordinator::{Settings, StepCoordinator};
 use super::driver::Driver;
 use super::exports::StateExports;
 pub use super::interface::{Action, ComputeDone, Event, Input, Job, Output, PeerStats, Resume};
+use super::links::Links;
 use super::membership::{Dealer, Membership, Routing, Standing};
 use super::message::{Announcement, MemberState, Message, StateChunk};
 use super::outbox::Outbox;
@@ -56,6 +57,8 @@ pub struct Peer {
     dealer: Dealer,
     /// The next stage's replicas as this peer times them: routing weights follow it.
     service: Service,
+    /// Rates measured to the peers this one sends to: the codec of each boundary hop.
+    links: Links,
     members: Membership,
     role: Role,
     driver: Driver,
@@ -98,6 +101,7 @@ impl Peer {
             rng,
             dealer,
             service: Service::default(),
+            links: Links::default(),
             members: Membership::default(),
             role: Role::joining(&timing, now),
             driver: Driver::new(seed.rotate_left(29) ^ me.0 ^ 0xD121_7E55_A77E_4D15, now),
@@ -491,9 +495,21 @@ impl Peer {
         self.after(now);
     }
 
+    /// A message of `bytes` to `peer` was acknowledged `elapsed` after it was handed to the
+    /// transport (what the boundary codecs are chosen by).
+    pub fn handle_delivered(&mut self, peer: PeerKey, bytes: u64, elapsed: Duration) {
+        self.links.delivered(peer, bytes, elapsed);
+    }
+
+    /// The round trip to `peer` was measured (libp2p's ping; the simulator's link model).
+    pub fn handle_rtt(&mut self, peer: PeerKey, rtt: Duration) {
+        self.links.rtt(peer, rtt);
+    }
+
     fn peer_gone(&mut self, peer: PeerKey, now: Duration) {
         self.members.remove(peer);
         self.service.forget(peer);
+        self.links.forget(peer);
         self.bans.forget(peer);
         self.steps.forget(peer, now);
         self.driver.fail_hop(peer, now);

@@ -136,6 +136,17 @@ impl Scheduler {
         self.throughput
     }
 
+    /// Device seconds a sample takes: from the measured throughput, or before there is one,
+    /// from what was done so far (a device that is mostly idle takes long to measure, and its
+    /// links need a choice of codec meanwhile). None when nothing was done yet.
+    pub fn seconds_per_sample(&self) -> Option<f64> {
+        if self.throughput > 0.0 {
+            Some(1.0 / self.throughput)
+        } else {
+            (self.rows_done > 0.0).then(|| self.busy_s / self.rows_done)
+        }
+    }
+
     /// Starts measuring again from nothing (the peer serves another stage, whose cost
     /// differs): what was done for the old stage must not be counted for the new one.
     pub fn forget_throughput(&mut self) {

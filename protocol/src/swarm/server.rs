@@ -337,7 +337,7 @@ impl StageServer {
         attempt: u64,
         grad: Option<Vec<f32>>,
         at: &Serving,
-        codec: Codec,
+        codec: impl FnOnce(PeerKey, usize) -> Codec,
         now: Duration,
     ) {
         let Some(h) = self.hops.get_mut(&attempt) else {
@@ -358,7 +358,9 @@ impl StageServer {
             return;
         };
         // Nothing sent if it cannot be encoded: the driver's deadline retries the microbatch.
-        let Some(grad) = self.encode(out, codec, &grad.unwrap_or_default()) else {
+        let grad = grad.unwrap_or_default();
+        let codec = codec(prev, grad.len());
+        let Some(grad) = self.encode(out, codec, &grad) else {
             return;
         };
         out.send(
@@ -655,7 +657,15 @@ mod tests {
         let at = serving();
         s.on_forward(&mut out, PREV, forward(1, 3), &at, Duration::ZERO);
         s.sent(1, PeerKey(7));
-        s.on_backward_done(&mut out, ME, 1, Some(vec![0.0; 8]), &at, Codec::Fp32, MS);
+        s.on_backward_done(
+            &mut out,
+            ME,
+            1,
+            Some(vec![0.0; 8]),
+            &at,
+            |_, _| Codec::Fp32,
+            MS,
+        );
         jobs(&mut out);
         s.on_commit(&mut out, DRIVER, 1);
         assert_eq!(jobs(&mut out), [Job::Commit { id: 1 }]);
@@ -709,7 +719,15 @@ mod tests {
             MS,
         );
         assert!(matches!(jobs(&mut out)[..], [Job::Backward { id: 1, .. }]));
-        s.on_backward_done(&mut out, ME, 1, Some(vec![0.0; 8]), &at, Codec::Fp32, MS);
+        s.on_backward_done(
+            &mut out,
+            ME,
+            1,
+            Some(vec![0.0; 8]),
+            &at,
+            |_, _| Codec::Fp32,
+            MS,
+        );
         let sent = sends(&mut out);
         assert_eq!(sent.len(), 1);
         assert_eq!(sent[0].0, PREV, "to the previous stage on the route");
@@ -732,7 +750,15 @@ mod tests {
         let at = serving();
         s.on_forward(&mut out, PREV, forward(1, 3), &at, Duration::ZERO);
         s.sent(1, PeerKey(7));
-        s.on_backward_done(&mut out, ME, 1, Some(vec![0.0; 8]), &at, Codec::Fp32, MS);
+        s.on_backward_done(
+            &mut out,
+            ME,
+            1,
+            Some(vec![0.0; 8]),
+            &at,
+            |_, _| Codec::Fp32,
+            MS,
+        );
         jobs(&mut out);
         out.drain();
         s.on_commit(&mut out, PeerKey(7), 1);

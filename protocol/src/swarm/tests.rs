@@ -3,7 +3,7 @@
 //! are easy to check. No sockets, no threads, no clock.
 
 use super::*;
-use crate::{Codec, TrafficCodecs};
+use crate::{Codec, HopCodec, TrafficCodecs};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 use std::time::Duration;
@@ -263,8 +263,8 @@ enum DueKey {
 /// int8 cannot carry the toy's sample ids through activations; every other hop stays int8.
 fn codecs() -> TrafficCodecs {
     TrafficCodecs {
-        activations: Codec::Fp32,
-        activation_grads: Codec::default(),
+        activations: HopCodec::fixed(Codec::Fp32),
+        activation_grads: HopCodec::fixed(Codec::default()),
         averaging: Codec::Fp32,
     }
 }

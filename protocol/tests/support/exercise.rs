@@ -12,7 +12,7 @@ use shoal_protocol::swarm::{
     Action, Announcement, ComputeDone, DataSource, Job, MemberState, Message, Output, Peer,
     PeerKey, RunConfig, StageCosts, SyncMode, Timing,
 };
-use shoal_protocol::{Codec, TrafficCodecs};
+use shoal_protocol::{Codec, HopCodec, TrafficCodecs};
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -68,8 +68,8 @@ fn config(sync: SyncMode) -> RunConfig {
         lr: 0.1,
         max_steps: 1_000,
         codecs: TrafficCodecs {
-            activations: Codec::Fp32,
-            activation_grads: Codec::default(),
+            activations: HopCodec::fixed(Codec::Fp32),
+            activation_grads: HopCodec::fixed(Codec::default()),
             averaging: Codec::Fp32,
         },
         data: DataSource::Synthetic,

@@ -12,6 +12,7 @@ use crate::swarm::membership::Routing;
 use crate::swarm::message::{Backward, Forward, MemberState, Message};
 use crate::swarm::norms;
 use crate::swarm::server::{self, Arrival, ForwardHeader, PendingCommit, Serving};
+use crate::{Codec, HopCodec};
 use std::time::Duration;
 
 impl Peer {
@@ -169,8 +170,10 @@ impl Peer {
             .route(next_stage, avoid, self.routing, &mut self.dealer, |k| {
                 service.observed(k)
             });
-        let codec = self.config.codecs.activations;
-        let encoded = next.and_then(|_| self.server.encode(&mut self.out, codec, &activations));
+        let encoded = next.and_then(|to| {
+            let codec = self.hop_codec(to, self.config.codecs.activations, activations.len());
+            self.server.encode(&mut self.out, codec, &activations)
+        });
         let (Some(next), Some(activations)) = (next, encoded) else {
             // No replica of the next stage, or activations that cannot be sent: this attempt
             // ends here and its driver retries it.
@@ -275,9 +278,26 @@ impl Peer {
             return;
         }
         let at = self.serving();
-        let codec = self.config.codecs.activation_grads;
+        let hop = self.config.codecs.activation_grads;
+        let per_microbatch = self.per_microbatch();
+        let links = &mut self.links;
+        let codec = |to, values| links.choose(to, hop, values, per_microbatch);
         self.server
             .on_backward_done(&mut self.out, self.me, id, grad, &at, codec, now);
+    }
+
+    /// The codec to send `values` of a boundary tensor to `to` in: `hop`'s light codec while
+    /// the link to `to` keeps pace with this peer's device, its strong one when it does not.
+    fn hop_codec(&mut self, to: PeerKey, hop: HopCodec, values: usize) -> Codec {
+        let per_microbatch = self.per_microbatch();
+        self.links.choose(to, hop, values, per_microbatch)
+    }
+
+    /// What this peer's device takes for a microbatch of its stage, forward and backward
+    /// (None until measured).
+    fn per_microbatch(&self) -> Option<Duration> {
+        let per_sample = self.out.jobs.seconds_per_sample()?;
+        Duration::try_from_secs_f64(f64::from(self.config.microbatch) * per_sample).ok()
     }
 
     pub(super) fn on_committed(&mut self, c: PendingCommit, now: Duration) {
