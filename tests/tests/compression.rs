@@ -5,7 +5,7 @@
 use shoal_compute::{
     AdamW, Corpus, CpuBackend, DataLoader, LocalPipeline, LrSchedule, Preset, Shard, Transit,
 };
-use shoal_protocol::{Codec, Decoder, Encoder, ErrorFeedback, ValueFormat};
+use shoal_protocol::{Codec, Decoder, Encoder, ErrorFeedback, HopCodec, ValueFormat};
 use std::sync::Arc;
 
 /// Sends every tensor through an encode/decode round trip, as the network would.
@@ -99,26 +99,33 @@ fn train(transit: &mut CodecTransit, steps: u64) -> f32 {
 
 const STEPS: u64 = 300;
 
+/// Both codecs a boundary hop chooses between by default (`HopCodec::AUTO`: int8 on links
+/// that keep pace, int4 on the others) train about as well as fp32: int8 to within noise,
+/// int4 within 3% on this small model (+2.4% measured: 1.2648 against 1.2352; on `micro` in 3
+/// stages, 300 steps, -0.1% and +0.2% on seeds 1 and 2, see the README).
 #[test]
-fn int8_stage_boundaries_train_as_well_as_fp32() {
+fn the_default_boundary_codecs_train_as_well_as_fp32() {
     let baseline = train(
         &mut CodecTransit::new(Codec::Fp32, Codec::Fp32, None),
         STEPS,
     );
-    let mut int8 = CodecTransit::new(Codec::default(), Codec::default(), None);
-    let compressed = train(&mut int8, STEPS);
-    let ratio = int8.raw_bytes as f64 / int8.sent_bytes as f64;
-    eprintln!(
-        "nano, 3 stages, {STEPS} steps: fp32 {baseline:.4}, int8 {compressed:.4}, {ratio:.2}x fewer bytes"
-    );
-    assert!(
-        ratio > 3.5,
-        "int8 should shrink boundary traffic ~3.8x, got {ratio:.2}x"
-    );
-    assert!(
-        (compressed - baseline).abs() <= 0.02 * baseline,
-        "int8 loss {compressed} not within 2% of fp32 loss {baseline}"
-    );
+    let auto = HopCodec::AUTO;
+    for (codec, least_ratio, margin) in [(auto.light, 3.5, 0.02), (auto.strong, 6.5, 0.03)] {
+        let mut transit = CodecTransit::new(codec, codec, None);
+        let compressed = train(&mut transit, STEPS);
+        let ratio = transit.raw_bytes as f64 / transit.sent_bytes as f64;
+        eprintln!(
+            "nano, 3 stages, {STEPS} steps: fp32 {baseline:.4}, {codec} {compressed:.4}, {ratio:.2}x fewer bytes"
+        );
+        assert!(
+            ratio > least_ratio,
+            "{codec} should shrink boundary traffic more than {least_ratio}x, got {ratio:.2}x"
+        );
+        assert!(
+            (compressed - baseline).abs() <= margin * baseline,
+            "{codec} loss {compressed} not within {margin} of fp32 loss {baseline}"
+        );
+    }
 }
 
 /// Top-k with error feedback on the parameter gradients before AdamW (what gradient averaging
