@@ -416,7 +416,9 @@ impl Sim {
                 elapsed,
                 rtt,
             } => {
-                if self.peers[peer].alive() {
+                // A receiver that crashed or was cut off meanwhile acknowledges nothing.
+                let acked = self.peers[to].alive() && self.peers[to].side == self.peers[peer].side;
+                if self.peers[peer].alive() && acked {
                     let key = self.peers[to].key;
                     let m = &mut self.peers[peer].machine;
                     m.handle_rtt(key, Duration::from_nanos(rtt));
