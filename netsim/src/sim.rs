@@ -22,7 +22,6 @@ use shoal_protocol::swarm::{
     SeededRng, StageCosts, SyncMode, Timing,
 };
 use shoal_protocol::wire::FRAME_HEADER_LEN;
-use shoal_protocol::{Encoding, TensorHeader};
 use shoal_worker::{StageWorker, model_of, stage_costs};
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -715,12 +714,7 @@ impl Sim {
         let env = Envelope { run: self.run, msg };
         let bytes = (env.to_bytes().len() + FRAME_HEADER_LEN) as u64;
         *self.bytes.entry(env.msg.traffic()).or_default() += bytes;
-        let tensor = match &env.msg {
-            Message::Forward(f) => Some(&f.activations),
-            Message::Backward(b) => Some(&b.grad),
-            _ => None,
-        };
-        if let Some(codec) = tensor.and_then(|t| codec_name(t)) {
+        if let Some(codec) = env.msg.boundary_codec() {
             *self.boundary_codecs.entry(codec).or_default() += 1;
         }
         let reachable = self.peers[to].alive() && self.peers[to].side == self.peers[from].side;
@@ -873,20 +867,6 @@ impl Sim {
             _ => {}
         }
     }
-}
-
-/// The codec a tensor message was encoded with, by name (None if it does not parse).
-fn codec_name(tensor: &[u8]) -> Option<String> {
-    let header = TensorHeader::parse(tensor, usize::MAX).ok()?;
-    Some(match header.encoding {
-        Encoding::Fp32 => "fp32".into(),
-        Encoding::Fp16 => "fp16".into(),
-        Encoding::Bf16 => "bf16".into(),
-        Encoding::Int8 { .. } => "int8".into(),
-        Encoding::LowBit { bits, .. } => format!("int{bits}"),
-        Encoding::TopK { .. } => "topk".into(),
-        Encoding::ChunkTopK { .. } => "ctopk".into(),
-    })
 }
 
 /// Two distinct peers, mutably.

@@ -218,6 +218,8 @@ async fn learn_config(
 struct Tally {
     bytes_sent: BTreeMap<Traffic, u64>,
     bytes_received: BTreeMap<Traffic, u64>,
+    /// Boundary messages handed to the transport, by the codec chosen for their hop.
+    boundary_codecs: BTreeMap<String, u64>,
     loss_curve: Vec<(u64, f64)>,
     committed: Vec<(u32, u64)>,
     stage_history: Vec<u32>,
@@ -506,6 +508,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                         continue;
                     };
                     let traffic = msg.traffic();
+                    if let Some(codec) = msg.boundary_codec() {
+                        *tally.boundary_codecs.entry(codec).or_default() += 1;
+                    }
                     let bytes = Envelope { run: run_id, msg }.to_bytes();
                     let (h, failed, sent) = (handle.clone(), failed_tx.clone(), sent_tx.clone());
                     // Each message on its own task and stream: many in flight, none blocking
@@ -656,6 +661,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             seconds,
             bytes_sent: names(&tally.bytes_sent),
             bytes_received: names(&tally.bytes_received),
+            boundary_codecs: tally.boundary_codecs,
             stage_history: tally.stage_history,
             step_samples: tally.step_samples,
         };

@@ -204,6 +204,20 @@ fn verify(reports: &[(usize, Value)], run_id: &str) {
             r["violations_by_kind"]
         );
     }
+    // No codec named: each hop went out in int8 or int4, as its link allowed (which one is a
+    // matter of timing; here, on loopback, mostly int8).
+    let mut boundary: BTreeMap<String, u64> = BTreeMap::new();
+    for (_, r) in reports {
+        for (codec, n) in r["boundary_codecs"].as_object().unwrap() {
+            *boundary.entry(codec.clone()).or_default() += n.as_u64().unwrap();
+        }
+    }
+    eprintln!("boundary messages by codec: {boundary:?}");
+    assert!(boundary.values().sum::<u64>() > 0, "{boundary:?}");
+    assert!(
+        boundary.keys().all(|c| c == "int8" || c == "int4"),
+        "{boundary:?}"
+    );
     for (stage, set) in &hashes {
         assert_eq!(set.len(), 1, "stage {stage}: replicas differ: {set:?}");
     }

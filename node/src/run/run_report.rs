@@ -42,6 +42,8 @@ pub(super) struct RunReport {
     pub(super) seconds: f64,
     pub(super) bytes_sent: BTreeMap<String, u64>,
     pub(super) bytes_received: BTreeMap<String, u64>,
+    /// Activations and activation gradients sent, by the codec chosen for their hop.
+    pub(super) boundary_codecs: BTreeMap<String, u64>,
     pub(super) stage_history: Vec<u32>,
     /// Samples averaged in each step this peer took.
     pub(super) step_samples: Vec<f64>,

@@ -119,6 +119,21 @@ impl Encoding {
     }
 }
 
+impl fmt::Display for Encoding {
+    /// The codec family, parameters aside (`int8`, `int4`, `ctopk`, ...).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Encoding::Fp32 => f.write_str("fp32"),
+            Encoding::Fp16 => f.write_str("fp16"),
+            Encoding::Bf16 => f.write_str("bf16"),
+            Encoding::Int8 { .. } => f.write_str("int8"),
+            Encoding::LowBit { bits, .. } => write!(f, "int{bits}"),
+            Encoding::TopK { .. } => f.write_str("topk"),
+            Encoding::ChunkTopK { .. } => f.write_str("ctopk"),
+        }
+    }
+}
+
 /// The fixed header of a tensor message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TensorHeader {

@@ -391,6 +391,19 @@ pub struct StateChunk {
 }
 
 impl Message {
+    /// The codec of a stage-boundary tensor (activations or their gradients), by name
+    /// (`int8`, `int4`, ...; see [`crate::codec::Encoding`]): what its sender chose for the
+    /// hop. None for other messages and for tensors whose header does not parse.
+    pub fn boundary_codec(&self) -> Option<String> {
+        let tensor = match self {
+            Message::Forward(f) => &f.activations,
+            Message::Backward(b) => &b.grad,
+            _ => return None,
+        };
+        let header = crate::TensorHeader::parse(tensor, usize::MAX).ok()?;
+        Some(header.encoding.to_string())
+    }
+
     /// Which kind of traffic a message is, for byte accounting.
     pub fn traffic(&self) -> Traffic {
         match self {
