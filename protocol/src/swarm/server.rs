@@ -530,6 +530,11 @@ mod tests {
         }
     }
 
+    /// The backward pass of attempt 1 is done here: its gradient (fp32) goes back.
+    fn backward_done(s: &mut StageServer, out: &mut Outbox, at: &Serving) {
+        s.on_backward_done(out, ME, 1, Some(vec![0.0; 8]), at, |_, _| Codec::Fp32, MS);
+    }
+
     #[test]
     fn a_forward_pass_that_does_not_fit_the_run_is_rejected_to_its_driver() {
         let mut s = StageServer::default();
@@ -657,15 +662,7 @@ mod tests {
         let at = serving();
         s.on_forward(&mut out, PREV, forward(1, 3), &at, Duration::ZERO);
         s.sent(1, PeerKey(7));
-        s.on_backward_done(
-            &mut out,
-            ME,
-            1,
-            Some(vec![0.0; 8]),
-            &at,
-            |_, _| Codec::Fp32,
-            MS,
-        );
+        backward_done(&mut s, &mut out, &at);
         jobs(&mut out);
         s.on_commit(&mut out, DRIVER, 1);
         assert_eq!(jobs(&mut out), [Job::Commit { id: 1 }]);
@@ -719,15 +716,7 @@ mod tests {
             MS,
         );
         assert!(matches!(jobs(&mut out)[..], [Job::Backward { id: 1, .. }]));
-        s.on_backward_done(
-            &mut out,
-            ME,
-            1,
-            Some(vec![0.0; 8]),
-            &at,
-            |_, _| Codec::Fp32,
-            MS,
-        );
+        backward_done(&mut s, &mut out, &at);
         let sent = sends(&mut out);
         assert_eq!(sent.len(), 1);
         assert_eq!(sent[0].0, PREV, "to the previous stage on the route");
@@ -750,15 +739,7 @@ mod tests {
         let at = serving();
         s.on_forward(&mut out, PREV, forward(1, 3), &at, Duration::ZERO);
         s.sent(1, PeerKey(7));
-        s.on_backward_done(
-            &mut out,
-            ME,
-            1,
-            Some(vec![0.0; 8]),
-            &at,
-            |_, _| Codec::Fp32,
-            MS,
-        );
+        backward_done(&mut s, &mut out, &at);
         jobs(&mut out);
         out.drain();
         s.on_commit(&mut out, PeerKey(7), 1);
