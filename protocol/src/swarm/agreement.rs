@@ -245,14 +245,17 @@ pub(super) fn majority_hash(
 }
 
 /// The hash vote, seen from a replica at `round` of `stage` whose parameters hash to `mine`
-/// when `from` announces `theirs` for the same round: this replica loses if fewer serving
-/// replicas at this round hold its hash than the other (itself counted), or as many, every
+/// when `from` announced `theirs` for the same round: this replica loses if fewer serving
+/// replicas announced its hash for this round than the other's (itself counted; what they
+/// announced for it counts after they moved on, see [`Member::hash_at`]), or as many, every
 /// serving replica of the stage has announced this round (no vote is still to come) and the
 /// other side has the smaller key. The loser downloads the winner's state. Without the second
 /// condition the first announcement of a round to arrive would win a tie of one against one,
-/// however many replicas were still to announce the majority's hash. Only replicas whose work
-/// this replica checked vote (`verified`): a replica serves, so it has seen its stage's work,
-/// and identities that only announce a hash cannot outvote it however many they are.
+/// however many replicas were still to announce the majority's hash. Only the replicas
+/// `verified` admits vote: those whose work this replica checked (identities that only
+/// announce a hash cannot outvote it however many they are), or every one while it checked
+/// none (a replica restarted from its checkpoint has nothing else to go by; without that,
+/// two replicas that had not checked each other would each keep their own parameters).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn outvoted(
     members: &Membership,
@@ -269,13 +272,11 @@ pub(super) fn outvoted(
         if !m.serves(stage) || !verified(*k) {
             continue;
         }
-        let a = &m.announcement;
-        if a.round != round || a.params_hash.is_none() {
-            to_come += 1;
-        } else if a.params_hash == Some(theirs) {
-            for_theirs += 1;
-        } else if a.params_hash == Some(mine) {
-            for_mine += 1;
+        match m.hash_at(round) {
+            None => to_come += 1,
+            Some(h) if h == theirs => for_theirs += 1,
+            Some(h) if h == mine => for_mine += 1,
+            Some(_) => {}
         }
     }
     for_theirs > for_mine || (for_theirs == for_mine && to_come == 0 && from < me)

@@ -882,6 +882,13 @@ impl Peer {
             self.release_held_forwards(now);
         }
         self.announce();
+        if closed
+            && let Some(stage) = self.role.serving()
+            && let Some(r) = self.steps.vote_after_step(stage, &self.members)
+        {
+            self.resync(r, now);
+            return;
+        }
         let stage = self.role.stage();
         self.steps
             .catch_up_if_behind(&mut self.out, stage, &self.members, now);

@@ -6,7 +6,7 @@ use super::StepCoordinator;
 use crate::swarm::PeerKey;
 use crate::swarm::agreement::{Resync, outvoted};
 use crate::swarm::membership::Membership;
-use crate::swarm::message::Announcement;
+use crate::swarm::message::{Announcement, MemberState};
 use crate::swarm::outbox::Outbox;
 use std::time::Duration;
 
@@ -31,11 +31,13 @@ impl StepCoordinator {
         its_round > self.round && vouched(peer) && !self.rounds.excluded_by(self.round, peer)
     }
 
-    /// A replica of this replica's stage announced itself (serving, no round under way
-    /// here). One a round ahead is caught up with; one at the same round with other
-    /// parameters calls the hash vote (see [`outvoted`]). Both go by the replicas whose work
-    /// this replica checked ([`Membership::is_checked`]): a catch-up is asked of one of them
-    /// where there is one (an identity that only announces a later round never answers).
+    /// A replica of this replica's stage announced itself (serving). One a round ahead is
+    /// caught up with (no round under way here); one at the same round with other parameters
+    /// calls the hash vote (see [`outvoted`]), whether or not the next round is under way
+    /// here: on a busy stage the next round has often started by the time a replica's
+    /// announcement of the last one arrives. Both go by the replicas this replica vouches
+    /// for ([`Membership::vouched`]): a catch-up is asked of one of them where there is one
+    /// (an identity that only announces a later round never answers).
     pub fn on_replica_announced(
         &mut self,
         out: &mut Outbox,
@@ -52,25 +54,62 @@ impl StepCoordinator {
         if self.rounds.active() {
             self.rounds
                 .went_on(from, a.round, catchable && !self.finished, now);
-            return None;
-        }
-        if a.round > self.round && !self.finished {
+        } else if a.round > self.round && !self.finished {
             if catchable {
                 self.catch_up(out, stage, from, now);
             }
             return None;
         }
-        let (theirs, mine) = (a.params_hash?, self.params_hash?);
-        if a.round != self.round || theirs == mine {
+        if a.round != self.round {
             return None;
         }
-        let me = self.settings.me;
-        let checked = |k| members.is_checked(k);
-        outvoted(members, me, stage, self.round, from, theirs, mine, checked).then_some(Resync {
+        self.vote(stage, members, from, a.params_hash?)
+    }
+
+    /// The hash vote against `from`, which announced `theirs` for this replica's round.
+    fn vote(&self, stage: u32, members: &Membership, from: PeerKey, theirs: u64) -> Option<Resync> {
+        let mine = self.params_hash?;
+        if theirs == mine {
+            return None;
+        }
+        let (me, round) = (self.settings.me, self.round);
+        let vouched = members.vouched(stage);
+        outvoted(members, me, stage, round, from, theirs, mine, vouched).then_some(Resync {
             from,
             reason: "parameters differ from the stage's other replicas",
             elsewhere: false,
         })
+    }
+
+    /// This replica just took its round's step: the hash vote against the replicas that
+    /// announced other parameters for the round before this replica got there (they had
+    /// moved on, or were in their next round, when this replica's announcement reached them).
+    pub fn vote_after_step(&self, stage: u32, members: &Membership) -> Option<Resync> {
+        let vouched = members.vouched(stage);
+        members
+            .iter()
+            .filter(|(k, m)| m.serves(stage) && vouched(**k))
+            .filter_map(|(k, m)| Some((*k, m.hash_at(self.round)?)))
+            .find_map(|(k, theirs)| self.vote(stage, members, k, theirs))
+    }
+
+    /// Whether the replicas of `stage` this replica vouches for hold its parameters at its
+    /// round, and none is downloading the stage's state: the run may end here. (Replicas
+    /// that end apart would be settled by no later vote.)
+    pub fn stage_agrees(&self, stage: u32, members: &Membership) -> bool {
+        let vouched = members.vouched(stage);
+        members
+            .iter()
+            .filter(|(k, m)| m.announcement.stage == Some(stage) && vouched(**k))
+            .all(|(_, m)| match m.announcement.state {
+                MemberState::Serving => {
+                    self.params_hash.is_none()
+                        || m.hash_at(self.round)
+                            .is_none_or(|h| Some(h) == self.params_hash)
+                }
+                MemberState::Syncing => false,
+                MemberState::Choosing | MemberState::Leaving => true,
+            })
     }
 
     /// Behind a replica of this stage: replay the round it missed from that replica's

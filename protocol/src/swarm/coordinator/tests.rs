@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::swarm::fixtures::{self, at_round, sends};
-use crate::swarm::message::Announcement;
+use crate::swarm::message::{Announcement, MemberState};
 
 const MS: Duration = Duration::from_millis(1);
 const ME: PeerKey = PeerKey(5);
@@ -265,4 +265,54 @@ fn checkpoints_follow_the_schedule() {
         Some(Job::Checkpoint { step: 2, round: 2 })
     );
     assert_eq!(c.params_hash(), Some(12));
+}
+
+/// The hash vote does not wait for a pause between rounds: on a busy stage the next round has
+/// often begun when a replica's announcement of the last one arrives, and the replica that
+/// stepped last has seen the others' hashes before it had its own.
+#[test]
+fn replicas_that_ended_a_round_apart_vote_even_while_the_next_round_runs() {
+    // Two replicas at round 0 with other parameters: the tie goes to the smaller key.
+    let smaller = members(&[(3, 1, 0, Some(3))]);
+    let mut out = Outbox::new(ME);
+    let mut c = serving(SyncMode::AllReduce);
+    commit(&mut c, 8);
+    c.maybe_begin_round(&mut out, Some(1), &smaller, None, MS);
+    assert!(c.in_round());
+    let theirs = announcement(1, 0, Some(3));
+    let resync = c.on_replica_announced(&mut out, 1, &smaller, PeerKey(3), &theirs, MS);
+    assert_eq!(resync.map(|r| r.from), Some(PeerKey(3)));
+    let larger = members(&[(9, 1, 0, Some(3))]);
+    let resync = c.on_replica_announced(&mut out, 1, &larger, PeerKey(9), &theirs, MS);
+    assert_eq!(resync, None, "the larger key keeps its parameters");
+
+    // Announced before this replica got to the round: voted on once it steps.
+    let c = serving(SyncMode::AllReduce);
+    assert_eq!(
+        c.vote_after_step(1, &smaller).map(|r| r.from),
+        Some(PeerKey(3))
+    );
+    assert_eq!(c.vote_after_step(1, &larger), None);
+    let agree = members(&[(3, 1, 0, Some(7)), (9, 1, 0, Some(7))]);
+    assert_eq!(c.vote_after_step(1, &agree), None);
+}
+
+/// The run ends at a replica only where its stage's replicas hold its parameters and none is
+/// still downloading them: no vote comes after the last round.
+#[test]
+fn a_stage_ends_the_run_only_in_agreement() {
+    let c = serving(SyncMode::AllReduce);
+    assert!(c.stage_agrees(1, &members(&[(9, 1, 0, Some(7)), (4, 2, 0, Some(3))])));
+    assert!(!c.stage_agrees(1, &members(&[(9, 1, 0, Some(3))])));
+    let syncing = Announcement {
+        state: MemberState::Syncing,
+        ..announcement(1, 0, None)
+    };
+    let m = fixtures::members([(9, syncing)]);
+    assert!(!c.stage_agrees(1, &m));
+    // An identity whose work this replica never checked holds up nothing once it checked
+    // some replica's.
+    let mut m = members(&[(9, 1, 0, Some(7)), (11, 1, 0, Some(3))]);
+    m.set_checked(PeerKey(9), true, true);
+    assert!(c.stage_agrees(1, &m));
 }

@@ -53,8 +53,14 @@ impl Peer {
         self.stage_replicas().iter().all(|c| *c > 0)
     }
 
+    /// This peer's stage took the run's last step and its replicas agree on where it ended;
+    /// every peer serving a stage took its stage's last step.
     pub(super) fn everyone_finished(&self) -> bool {
+        let Some(stage) = self.role.serving() else {
+            return false;
+        };
         self.steps.finished()
+            && self.steps.stage_agrees(stage, &self.members)
             && self
                 .members
                 .iter()
