@@ -1,7 +1,7 @@
 //! `shoal bench`: performance measurements printed as JSON for tools and as a sentence for
 //! people.
 
-use crate::cli::{BenchAveragingArgs, BenchCodecArgs, BenchComputeArgs};
+use crate::cli::{BenchCodecArgs, BenchComputeArgs, BenchRobustMeanArgs};
 use serde::Serialize;
 use shoal_compute::{
     AdamW, AnyBackend, Backend, Corpus, DataLoader, LocalPipeline, LrSchedule, Preset, Shard,
@@ -286,7 +286,7 @@ struct AveragingBench {
 
 /// What robust averaging costs a part owner: the same shares (gradients with a common signal
 /// and per-member noise) reduced both ways.
-pub fn averaging(args: BenchAveragingArgs) -> anyhow::Result<()> {
+pub fn robust_mean(args: BenchRobustMeanArgs) -> anyhow::Result<()> {
     use shoal_protocol::swarm::robust::{Share, centered_clip};
     use shoal_protocol::{Codec, Decoder, Encoder};
     let (n, len) = (args.members, args.values);

@@ -236,11 +236,39 @@ pub enum BenchCommand {
     /// Measure tensor transfer between two local nodes against plain quinn.
     Net(BenchNetArgs),
     /// Measure a part owner's robust mean (centered clipping) against a plain mean.
-    Averaging(BenchAveragingArgs),
+    RobustMean(BenchRobustMeanArgs),
+    /// Average a vector among processes on this machine with the swarm's averaging round,
+    /// checking every result.
+    Average(BenchAverageArgs),
 }
 
 #[derive(Debug, Args)]
-pub struct BenchAveragingArgs {
+pub struct BenchAverageArgs {
+    /// Processes averaging together, one member each.
+    #[arg(long, default_value = "4", value_parser = positive)]
+    pub peers: usize,
+    /// Size of the averaged vector, in MiB of fp32 values.
+    #[arg(long, default_value = "64", value_parser = positive)]
+    pub mib: usize,
+    /// Codec of the round's shares and averaged parts (as --averaging-codec of a run).
+    #[arg(long, default_value = "fp32")]
+    pub codec: shoal_protocol::Codec,
+    /// Rounds, one after the other (the median time is reported).
+    #[arg(long, default_value = "20", value_parser = positive)]
+    pub rounds: usize,
+    /// Seed of the members' contributions.
+    #[arg(long, default_value = "1")]
+    pub seed: u64,
+    /// Print one JSON object instead of a sentence.
+    #[arg(long)]
+    pub json: bool,
+    /// Run as member I of a bench this command started (internal).
+    #[arg(long, hide = true)]
+    pub member: Option<usize>,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchRobustMeanArgs {
     /// Members whose shares the owner reduces.
     #[arg(long, default_value = "6", value_parser = positive)]
     pub members: usize,

@@ -5,6 +5,7 @@
 //! never live here. Errors reach the user as one line and a non-zero exit, never a panic.
 
 mod bench;
+mod bench_average;
 mod bench_net;
 mod cli;
 mod devices;
@@ -56,7 +57,8 @@ fn main() -> ExitCode {
         cli::Command::Bench(cli::BenchCommand::Compute(a)) => bench::compute(a),
         cli::Command::Bench(cli::BenchCommand::Codec(a)) => bench::codec(a),
         cli::Command::Bench(cli::BenchCommand::Net(a)) => bench_net::net(a),
-        cli::Command::Bench(cli::BenchCommand::Averaging(a)) => bench::averaging(a),
+        cli::Command::Bench(cli::BenchCommand::RobustMean(a)) => bench::robust_mean(a),
+        cli::Command::Bench(cli::BenchCommand::Average(a)) => bench_average::average(a),
         cli::Command::Netsim(a) => netsim::run(a),
         cli::Command::Devices(a) => devices::run(a),
     };

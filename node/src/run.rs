@@ -152,7 +152,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     runtime.block_on(serve(args))
 }
 
-fn key_of(peer: &PeerId) -> PeerKey {
+pub(crate) fn key_of(peer: &PeerId) -> PeerKey {
     PeerKey::from_bytes(&peer.to_bytes())
 }
 
@@ -683,7 +683,7 @@ enum Ending {
     Stalled(String),
 }
 
-fn is_dialable(addr: &Multiaddr) -> bool {
+pub(crate) fn is_dialable(addr: &Multiaddr) -> bool {
     !addr.iter().any(|p| match p {
         Protocol::Ip4(ip) => ip.is_unspecified(),
         Protocol::Ip6(ip) => ip.is_unspecified(),

@@ -229,6 +229,38 @@ fn bench_net_prints_one_json_object() {
     }
 }
 
+/// `shoal bench average`: real processes average with the swarm's round, and every member
+/// checks every result against the robust mean it recomputes: exact with fp32, within what
+/// the codec explains with int8; no result may differ without saying it is partial.
+#[test]
+fn bench_average_checks_every_result_of_every_member() {
+    for (codec, exact) in [("fp32", true), ("int8", false)] {
+        let out = shoal(&[
+            "bench", "average", "--peers", "3", "--mib", "1", "--rounds", "6", "--codec", codec,
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{codec}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(json["rounds"], 6, "{json}");
+        assert_eq!(json["silent_errors"], 0, "{json}");
+        assert!(json["seconds_per_round_median"].as_f64().unwrap() > 0.0);
+        let (error, explained) = (
+            json["max_error"].as_f64().unwrap(),
+            json["tolerance"].as_f64().unwrap(),
+        );
+        if exact {
+            assert_eq!((error, explained), (0.0, 0.0), "{json}");
+        } else {
+            assert!(explained > 0.0 && error <= explained, "{json}");
+        }
+    }
+    assert_clean_failure(&["bench", "average", "--peers", "1"], "at least 2");
+}
+
 /// Regression: every process on one machine used `~/.shoal/identity.key`, so several were one
 /// peer to the network, never saw each other, and waited forever without a word. A second
 /// process with an identity in use exits at once, naming the file and `--identity`.
