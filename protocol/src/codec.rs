@@ -204,6 +204,30 @@ impl Codec {
         matches!(self, Codec::TopK { .. } | Codec::ChunkTopK { .. })
     }
 
+    /// Whether a tensor encoded with this codec carries `encoding` (a top-k encoding's count
+    /// depends on the tensor's size; everything else is the codec's).
+    pub fn encodes_as(&self, encoding: &Encoding) -> bool {
+        match (*self, *encoding) {
+            (Codec::Fp32, Encoding::Fp32)
+            | (Codec::Fp16, Encoding::Fp16)
+            | (Codec::Bf16, Encoding::Bf16) => true,
+            (Codec::Int8 { block }, Encoding::Int8 { block: b }) => block == b,
+            (Codec::LowBit { bits, block }, Encoding::LowBit { bits: x, block: b }) => {
+                (bits, block) == (x, b)
+            }
+            (Codec::TopK { values, .. }, Encoding::TopK { values: v, .. }) => values == v,
+            (
+                Codec::ChunkTopK { k, chunk, bits },
+                Encoding::ChunkTopK {
+                    k: x,
+                    chunk: c,
+                    bits: b,
+                },
+            ) => (k, chunk, bits) == (x, c, b),
+            _ => false,
+        }
+    }
+
     /// Checks the parameters.
     pub fn validate(&self) -> Result<(), CodecError> {
         match *self {

@@ -86,6 +86,14 @@ impl HopCodec {
         self.light != self.strong
     }
 
+    /// Whether `tensor` (as sent) is encoded with one of the two codecs: a hop may pick
+    /// either, nothing else.
+    pub fn allows(&self, tensor: &[u8]) -> bool {
+        TensorHeader::parse(tensor, usize::MAX).is_ok_and(|h| {
+            self.light.encodes_as(&h.encoding) || self.strong.encodes_as(&h.encoding)
+        })
+    }
+
     /// Checks both codecs.
     pub fn validate(&self) -> Result<(), CodecError> {
         self.light.validate()?;
@@ -153,5 +161,29 @@ mod tests {
         for bad in ["", "int3", "int8,", ",int4", "int8,int4,int2", "int8:7"] {
             assert!(bad.parse::<HopCodec>().is_err(), "{bad}");
         }
+    }
+
+    /// A hop's receiver takes a tensor in either of the run's two codecs for the hop, block
+    /// sizes and all, and nothing else (nor bytes that are no tensor).
+    #[test]
+    fn a_hop_allows_exactly_its_two_codecs() {
+        let values = [0.25f32; 512];
+        let sent = |codec: &str| {
+            let codec: Codec = codec.parse().unwrap();
+            codec::encode_to_vec(codec, &values, &[values.len()]).unwrap()
+        };
+        for codec in ["int8", "int4"] {
+            assert!(HopCodec::AUTO.allows(&sent(codec)), "{codec}");
+        }
+        for codec in [
+            "fp32", "bf16", "int8:32", "int4:32", "int2", "topk:1%", "ctopk",
+        ] {
+            assert!(!HopCodec::AUTO.allows(&sent(codec)), "{codec}");
+        }
+        let sparse: HopCodec = "fp32,ctopk:32/4096:2".parse().unwrap();
+        assert!(sparse.allows(&sent("ctopk")) && !sparse.allows(&sent("ctopk:64/4096:2")));
+        let topk = HopCodec::fixed("topk:1%:int8".parse().unwrap());
+        assert!(topk.allows(&sent("topk:5%:int8")) && !topk.allows(&sent("topk:1%")));
+        assert!(!HopCodec::AUTO.allows(b"not a tensor"));
     }
 }

@@ -15,7 +15,7 @@ use super::interface::{Event, Input, Job};
 use super::message::{Backward, Forward, Message};
 use super::norms::{self, NormReference};
 use super::outbox::Outbox;
-use crate::{Codec, Decoder, Encoder};
+use crate::{Codec, Decoder, Encoder, HopCodec};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -97,6 +97,8 @@ pub(super) struct Serving {
     pub microbatch: u32,
     /// Activation values per sample at a stage boundary.
     pub activation_values: usize,
+    /// The codecs the run allows activations in.
+    pub activation_codecs: HopCodec,
     /// How long a record lives without news from its driver.
     pub hop_lifetime: Duration,
     /// Microbatch records kept at most; past it, new forwards are refused (their drivers
@@ -172,6 +174,8 @@ impl StageServer {
             Some("a forward pass of a size outside the run's")
         } else if self.hops.contains_key(&f.id) {
             Some("a forward pass repeating an attempt id")
+        } else if !at.activation_codecs.allows(&f.activations) {
+            Some("activations in a codec the run does not allow")
         } else {
             None
         };
@@ -513,6 +517,7 @@ mod tests {
             round: Some(3),
             microbatch: 2,
             activation_values: 4,
+            activation_codecs: HopCodec::fixed(Codec::Fp32),
             hop_lifetime: Duration::from_secs(1),
             max_hops: 64,
         }
@@ -750,7 +755,8 @@ mod tests {
         assert_eq!(jobs(&mut out), [Job::Commit { id: 1 }]);
     }
 
-    /// Forged forward passes are violations of their sender; a forward pass for another stage
+    /// Forged forward passes (not from the route's last peer, of no size, not finite, in a
+    /// codec the run does not allow) are violations of their sender; a forward pass for another stage
     /// (an old view of the membership) or two steps ahead (a lagging receiver) is only
     /// rejected.
     #[test]
@@ -774,18 +780,25 @@ mod tests {
                     ..forward(6, 3)
                 },
             ),
+            (
+                PREV,
+                Forward {
+                    activations: crate::codec::encode_to_vec(Codec::Bf16, &[0.5; 8], &[8]).unwrap(),
+                    ..forward(9, 3)
+                },
+            ),
         ];
         for (from, f) in forged {
             assert_eq!(s.on_forward(&mut out, from, f, &at, MS), Arrival::Rejected);
         }
-        assert_eq!(out.violations, 3);
+        assert_eq!(out.violations, 4);
         // Two steps ahead: this replica may be the one lagging (restarted from a checkpoint),
         // so the driver is only told to retry elsewhere.
         assert_eq!(
             s.on_forward(&mut out, PREV, forward(5, 3 + 2), &at, MS),
             Arrival::Rejected
         );
-        assert_eq!(out.violations, 3);
+        assert_eq!(out.violations, 4);
         let other_stage = Forward {
             route: vec![DRIVER],
             ..forward(7, 3)
@@ -794,7 +807,7 @@ mod tests {
             s.on_forward(&mut out, DRIVER, other_stage, &at, MS),
             Arrival::Rejected
         );
-        assert_eq!(out.violations, 3, "an honest miss");
+        assert_eq!(out.violations, 4, "an honest miss");
         assert_eq!(
             s.on_forward(&mut out, PREV, forward(8, 4), &at, MS),
             Arrival::Held

@@ -33,6 +33,7 @@ impl Peer {
             round: self.allreduce().then(|| self.steps.round()),
             microbatch: self.config.microbatch,
             activation_values: self.costs.activation_values,
+            activation_codecs: self.config.codecs.activations,
             hop_lifetime: self.hop_lifetime(),
             max_hops: self.max_hops(),
         }
@@ -215,6 +216,13 @@ impl Peer {
         let Some(stage) = self.role.serving() else {
             return;
         };
+        if !self.config.codecs.activation_grads.allows(&b.grad) {
+            self.out.violation(
+                from,
+                "an activation gradient in a codec the run does not allow",
+            );
+            return;
+        }
         let Some(grad) = server::decode(&b.grad, self.activation_len(self.config.microbatch))
         else {
             self.out.violation(
