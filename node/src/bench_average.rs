@@ -363,7 +363,10 @@ async fn run_member(args: &BenchAverageArgs, index: usize) -> anyhow::Result<()>
             while let Some(o) = round.poll() {
                 match o {
                     RoundOut::Send(to, msg) => {
-                        let to = ids[keys.iter().position(|k| *k == to).unwrap_or(index)];
+                        let Some(j) = keys.iter().position(|k| *k == to) else {
+                            continue;
+                        };
+                        let to = ids[j];
                         let bytes = Envelope {
                             run: RUN,
                             msg: Message::Round { key, msg },
