@@ -12,6 +12,17 @@ fn shoal(args: &[&str]) -> std::process::Output {
         .expect("run shoal")
 }
 
+/// The one JSON object a successful `shoal bench ...` prints.
+fn bench_json(args: &[&str]) -> serde_json::Value {
+    let out = shoal(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 fn assert_clean_failure(args: &[&str], expect: &str) {
     let out = shoal(args);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -146,7 +157,7 @@ fn a_short_run_writes_a_complete_report() {
 
 #[test]
 fn bench_compute_prints_one_json_object() {
-    let out = shoal(&[
+    let json = bench_json(&[
         "bench",
         "compute",
         "--preset",
@@ -161,12 +172,6 @@ fn bench_compute_prints_one_json_object() {
         "1",
         "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for key in [
         "preset",
         "backend",
@@ -185,15 +190,9 @@ fn bench_compute_prints_one_json_object() {
 
 #[test]
 fn bench_codec_prints_one_json_object() {
-    let out = shoal(&[
+    let json = bench_json(&[
         "bench", "codec", "--values", "4096", "--rounds", "1", "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(json["memcpy_gbps"].as_f64().unwrap() > 0.0);
     for codec in ["fp32", "fp16", "bf16", "int8", "topk:1%"] {
         let c = &json["codecs"][codec];
@@ -207,7 +206,7 @@ fn bench_codec_prints_one_json_object() {
 
 #[test]
 fn bench_net_prints_one_json_object() {
-    let out = shoal(&[
+    let json = bench_json(&[
         "bench",
         "net",
         "--frame-mib",
@@ -218,12 +217,6 @@ fn bench_net_prints_one_json_object() {
         "1",
         "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for key in ["raw_quinn_mib_s", "shoal_mib_s", "ratio", "rtt_us_median"] {
         assert!(json[key].as_f64().unwrap() > 0.0, "bench net lacks {key}");
     }
@@ -235,16 +228,10 @@ fn bench_net_prints_one_json_object() {
 #[test]
 fn bench_average_checks_every_result_of_every_member() {
     for (codec, exact) in [("fp32", true), ("int8", false)] {
-        let out = shoal(&[
+        let json = bench_json(&[
             "bench", "average", "--peers", "3", "--mib", "1", "--rounds", "6", "--codec", codec,
             "--json",
         ]);
-        assert!(
-            out.status.success(),
-            "{codec}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(json["rounds"], 6, "{json}");
         assert_eq!(json["silent_errors"], 0, "{json}");
         assert!(json["seconds_per_round_median"].as_f64().unwrap() > 0.0);
