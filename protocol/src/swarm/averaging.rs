@@ -273,12 +273,6 @@ impl Round {
         r
     }
 
-    /// Swaps `feedback` with the round's: a replica lends its error feedback to each round
-    /// it contributes to and takes it back when the round ends.
-    pub fn lend_feedback(&mut self, feedback: &mut Feedback) {
-        std::mem::swap(&mut self.feedback, feedback);
-    }
-
     /// Which round.
     pub fn key(&self) -> RoundKey {
         self.key

@@ -9,8 +9,17 @@
 //! applied (zeroed or refused) returns what this replica's share of it carried to the
 //! residual, and what its owner's encoding withheld to what it was.
 
+use super::Round;
 use crate::{Codec, CodecError, Encoder, ErrorFeedback, TensorHeader};
 use std::ops::Range;
+
+impl Round {
+    /// Swaps `feedback` with the round's: a replica lends its error feedback to each round
+    /// it contributes to and takes it back when the round ends.
+    pub fn lend_feedback(&mut self, feedback: &mut Feedback) {
+        std::mem::swap(&mut self.feedback, feedback);
+    }
+}
 
 /// A replica's error feedback, lent to the round it contributes to. With a lossless codec
 /// there is nothing to carry: encodings are plain and nothing is kept.
