@@ -188,6 +188,11 @@ pub struct RunArgs {
     /// or the run ended without this peer. 0 waits for new peers forever.
     #[arg(long, default_value = "300")]
     pub stall_timeout: f32,
+    /// The fraction of the time this peer's device computes: after each job it rests for as
+    /// long as the job took times (1 / F - 1), so a volunteer can lend part of a laptop or GPU.
+    /// The peer measures, announces and is routed by the throughput it really gives.
+    #[arg(long, default_value = "1", value_parser = fraction)]
+    pub duty_cycle: f32,
     /// How this peer shares out work: weighted (replicas by throughput and queue, skipping
     /// stragglers; a driver's part of a step by its throughput) or uniform (every replica and
     /// driver alike, however slow).
@@ -320,6 +325,13 @@ fn positive(s: &str) -> Result<usize, String> {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
         Err(_) => Err(format!("'{s}' is not a positive whole number")),
+    }
+}
+
+fn fraction(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
+        _ => Err(format!("'{s}' is not a fraction in (0, 1]")),
     }
 }
 

@@ -82,6 +82,8 @@ struct Worker {
     stage: StageWorker<AnyBackend>,
     config: RunConfig,
     checkpoint_dir: Option<PathBuf>,
+    /// Rest after each job for its duration times this (0: never rest; `--duty-cycle`).
+    rest_per_busy: f64,
 }
 
 impl Worker {
@@ -129,7 +131,14 @@ fn spawn_worker(
             while let Ok(msg) = rx.recv() {
                 match msg {
                     WorkerMsg::Job(job) => {
-                        if done.send(worker.run(job)).is_err() {
+                        let started = Instant::now();
+                        let result = worker.run(job);
+                        if worker.rest_per_busy > 0.0 {
+                            // Resting before reporting done keeps the device idle and makes
+                            // the scheduler measure the throughput this peer really gives.
+                            std::thread::sleep(started.elapsed().mul_f64(worker.rest_per_busy));
+                        }
+                        if done.send(result).is_err() {
                             return;
                         }
                     }
@@ -334,6 +343,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         stage: StageWorker::new(config.clone(), backend, corpus).map_err(anyhow::Error::msg)?,
         config: config.clone(),
         checkpoint_dir: args.checkpoint_dir.clone(),
+        rest_per_busy: 1.0 / f64::from(args.duty_cycle) - 1.0,
     };
     let mut resume = None;
     if let Some(c) = checkpoint {
