@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use shoal_compute::rng::Rng;
 use shoal_node::net::{self, NetConfig, NodeEvent};
 use shoal_protocol::swarm::averaging::{Feedback, Round, RoundOut, RoundResult, part_range};
-use shoal_protocol::swarm::message::RoundKey;
+use shoal_protocol::swarm::message::{RoundKey, RoundMsg};
 use shoal_protocol::swarm::robust::{Share, centered_clip};
 use shoal_protocol::swarm::{Envelope, Message, PeerKey, RunId, Timing};
 use shoal_protocol::wire::FrameKind;
@@ -133,6 +133,19 @@ fn coordinate(args: &BenchAverageArgs) -> anyhow::Result<()> {
     for (i, m) in members.iter_mut().enumerate() {
         let stdin = m.stdin.as_mut().context("no pipe")?;
         writeln!(stdin, "{all}").with_context(|| format!("member {i} is gone"))?;
+    }
+    // Each round starts when every member is ready for it (has checked the one before).
+    for r in 0..args.rounds {
+        for (i, m) in members.iter_mut().enumerate() {
+            let line = next_line(m, i)?;
+            if line != format!("ready {r}") {
+                bail!("member {i} said {line:?} instead of being ready for round {r}");
+            }
+        }
+        for (i, m) in members.iter_mut().enumerate() {
+            let stdin = m.stdin.as_mut().context("no pipe")?;
+            writeln!(stdin, "go").with_context(|| format!("member {i} is gone"))?;
+        }
     }
     let mut reports = Vec::with_capacity(args.peers);
     for (i, m) in members.iter_mut().enumerate() {
@@ -297,11 +310,11 @@ async fn run_member(args: &BenchAverageArgs, index: usize) -> anyhow::Result<()>
     };
     println!("listening {listening}/p2p/{}", handle.peer_id);
     std::io::stdout().flush()?;
-    let line = tokio::task::spawn_blocking(|| {
-        let mut line = String::new();
-        std::io::stdin().read_line(&mut line).map(|_| line)
-    })
-    .await??;
+    let mut commands = stdin_lines();
+    let line = commands
+        .recv()
+        .await
+        .context("the command closed its pipe")?;
     let mut ids: Vec<PeerId> = Vec::new();
     for word in line.split_whitespace() {
         let addr: Multiaddr = word.parse().with_context(|| format!("address {word}"))?;
@@ -341,12 +354,34 @@ async fn run_member(args: &BenchAverageArgs, index: usize) -> anyhow::Result<()>
     };
     let start = Instant::now();
     let now = || start.elapsed();
+    let mut net = Wire {
+        handle: &handle,
+        ids: &ids,
+        keys: &keys,
+        early: Vec::new(),
+        limit: 64 * args.peers,
+    };
     let mut feedback = Feedback::new(args.codec, 1.0);
     let mut report = MemberReport::default();
-    let mut early: Vec<(PeerKey, RoundKey, shoal_protocol::swarm::message::RoundMsg)> = Vec::new();
     let mut check = Check::new(args.codec);
+    // The last round stays to answer what its slower members still ask (a part, a verdict).
+    let mut last: Option<Round> = None;
     for r in 0..args.rounds as u64 {
         let key = RoundKey { stage: 0, index: r };
+        let mut own = contributions.sum(index, r, 0..len);
+        // Every member starts the round together, once all have checked the last one: the
+        // time measured is the round's alone, not a check competing for the cores.
+        println!("ready {r}");
+        std::io::stdout().flush()?;
+        loop {
+            tokio::select! {
+                line = commands.recv() => match line.as_deref() {
+                    Some("go") => break,
+                    _ => bail!("member {index}: the command said {line:?} instead of go"),
+                },
+                Some(frame) = frames.recv() => net.route(frame, r, &mut last, None, now())?,
+            }
+        }
         let leader = key.leader(keys.iter().copied()).unwrap_or(me);
         let mut round = if leader == me {
             Round::lead(key, me, &keys, len, args.codec, timing, now())
@@ -354,7 +389,7 @@ async fn run_member(args: &BenchAverageArgs, index: usize) -> anyhow::Result<()>
             Round::follow(key, me, leader, len, args.codec, timing, now())
         };
         round.lend_feedback(&mut feedback);
-        for (from, _, msg) in early.extract_if(.., |(_, k, _)| *k == key) {
+        for (from, _, msg) in net.early.extract_if(.., |(_, k, _)| *k == key) {
             round.handle(from, msg, now());
         }
         let mut fixed = None;
@@ -362,27 +397,15 @@ async fn run_member(args: &BenchAverageArgs, index: usize) -> anyhow::Result<()>
             let mut ended = None;
             while let Some(o) = round.poll() {
                 match o {
-                    RoundOut::Send(to, msg) => {
-                        let Some(j) = keys.iter().position(|k| *k == to) else {
-                            continue;
-                        };
-                        let to = ids[j];
-                        let bytes = Envelope {
-                            run: RUN,
-                            msg: Message::Round { key, msg },
-                        }
-                        .to_bytes();
-                        let h = handle.clone();
-                        tokio::spawn(async move {
-                            if let Err(e) = h.send_frame(to, FrameKind::Tensor, &bytes).await {
-                                tracing::warn!("send to {to} failed: {e:#}");
-                            }
-                        });
-                    }
+                    RoundOut::Send(to, msg) => net.send(key, to, msg),
                     RoundOut::NeedContribution => {
                         fixed = Some(Instant::now());
-                        let sum = contributions.sum(index, r, 0..len);
-                        round.contribute(&sum, Contributions::samples(index), None, now());
+                        round.contribute(
+                            std::mem::take(&mut own),
+                            Contributions::samples(index),
+                            None,
+                            now(),
+                        );
                     }
                     RoundOut::Finished(result) => ended = Some(Some(result)),
                     RoundOut::Failed(why) => {
@@ -404,17 +427,7 @@ async fn run_member(args: &BenchAverageArgs, index: usize) -> anyhow::Result<()>
                 .unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
             tokio::select! {
                 Some(frame) = frames.recv() => {
-                    let Some(j) = ids.iter().position(|p| *p == frame.peer) else { continue };
-                    match Envelope::from_bytes(&frame.payload) {
-                        Ok(Envelope { run, msg: Message::Round { key: k, msg } }) if run == RUN => {
-                            if k == key {
-                                round.handle(keys[j], msg, now());
-                            } else if k.index > r && early.len() < 64 * args.peers {
-                                early.push((keys[j], k, msg));
-                            }
-                        }
-                        _ => bail!("member {index}: an unexpected message from {}", frame.peer),
-                    }
+                    net.route(frame, r, &mut last, Some(&mut round), now())?;
                 }
                 _ = tokio::time::sleep_until(wake.into()) => round.handle_timeout(now()),
             }
@@ -438,14 +451,103 @@ async fn run_member(args: &BenchAverageArgs, index: usize) -> anyhow::Result<()>
             }
             None => report.seconds.push(None),
         }
+        last = Some(round);
     }
     report.tolerance = check.tolerance;
     println!("{}", serde_json::to_string(&report)?);
     std::io::stdout().flush()?;
     // The others may still want this member's parts and verdicts of the last round: it
     // leaves when the command says every member is done (its input closes).
-    tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new())).await??;
-    Ok(())
+    let after = args.rounds as u64;
+    loop {
+        tokio::select! {
+            line = commands.recv() => if line.is_none() { return Ok(()) },
+            Some(frame) = frames.recv() => net.route(frame, after, &mut last, None, now())?,
+        }
+    }
+}
+
+/// The command's lines to this member, read on a thread of their own; closed when it closes
+/// the pipe.
+fn stdin_lines() -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        for line in std::io::stdin().lines() {
+            let Ok(line) = line else { return };
+            if tx.send(line.trim().to_owned()).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// A member's side of the network: who the others are, and round messages that came early.
+struct Wire<'a> {
+    handle: &'a net::NodeHandle,
+    ids: &'a [PeerId],
+    keys: &'a [PeerKey],
+    early: Vec<(PeerKey, RoundKey, RoundMsg)>,
+    limit: usize,
+}
+
+impl Wire<'_> {
+    fn send(&self, key: RoundKey, to: PeerKey, msg: RoundMsg) {
+        let Some(j) = self.keys.iter().position(|k| *k == to) else {
+            return;
+        };
+        let to = self.ids[j];
+        let bytes = Envelope {
+            run: RUN,
+            msg: Message::Round { key, msg },
+        }
+        .to_bytes();
+        let h = self.handle.clone();
+        tokio::spawn(async move {
+            if let Err(e) = h.send_frame(to, FrameKind::Tensor, &bytes).await {
+                tracing::warn!("send to {to} failed: {e:#}");
+            }
+        });
+    }
+
+    /// Hands a frame to the round `r` it is for (`current`), to the round before it (`last`,
+    /// which still answers requests), or keeps it for a later round.
+    fn route(
+        &mut self,
+        frame: net::InboundFrame,
+        r: u64,
+        last: &mut Option<Round>,
+        current: Option<&mut Round>,
+        now: Duration,
+    ) -> anyhow::Result<()> {
+        let Some(j) = self.ids.iter().position(|p| *p == frame.peer) else {
+            return Ok(());
+        };
+        let from = self.keys[j];
+        let Ok(Envelope {
+            run: RUN,
+            msg: Message::Round { key, msg },
+        }) = Envelope::from_bytes(&frame.payload)
+        else {
+            bail!("an unexpected message from {}", frame.peer);
+        };
+        match (current, last.as_mut()) {
+            (Some(round), _) if key.index == r => round.handle(from, msg, now),
+            (_, Some(round)) if key.index + 1 == r => {
+                round.handle(from, msg, now);
+                while let Some(o) = round.poll() {
+                    if let RoundOut::Send(to, msg) = o {
+                        self.send(key, to, msg);
+                    }
+                }
+            }
+            _ if key.index >= r && self.early.len() < self.limit => {
+                self.early.push((from, key, msg));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 /// Checks a round's result against the robust mean recomputed from every contribution.

@@ -40,6 +40,11 @@ use crate::{Codec, Decoder, Encoder};
 pub use feedback::Feedback;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
+use std::sync::Arc;
+
+/// An averaged part as its owner sent it: samples, mean loss, the encoded values (shared by
+/// every message that carries them).
+type EncodedPart = (f64, Option<f64>, Arc<Vec<u8>>);
 use std::time::Duration;
 
 /// Early messages buffered before the group is known, at most.
@@ -151,7 +156,7 @@ pub struct Round {
     /// Parts nobody could deliver, known before the vote.
     zeroed: Vec<u32>,
     /// Averaged parts as encoded, to answer requests.
-    encoded: BTreeMap<u32, (f64, Option<f64>, Vec<u8>)>,
+    encoded: BTreeMap<u32, EncodedPart>,
     own_samples: f64,
     /// Root-mean-square per sample of this member's own contribution: what it expects the
     /// others' parts and the averaged parts to be near (see [`super::norms`]).
@@ -409,8 +414,9 @@ impl Round {
     }
 
     /// This member's contribution: the sum over its samples, how many samples, and (last
-    /// stage) the sum of the samples' losses.
-    pub fn contribute(&mut self, values: &[f32], samples: f64, loss: Option<f64>, now: Duration) {
+    /// stage) the sum of the samples' losses. The round keeps the values (its vote compares
+    /// each averaged part with them): taken, not copied, as a stage's whole vector may be large.
+    pub fn contribute(&mut self, values: Vec<f32>, samples: f64, loss: Option<f64>, now: Duration) {
         if self.phase != Phase::AwaitContribution || values.len() != self.len {
             return;
         }
@@ -418,8 +424,9 @@ impl Round {
             return;
         };
         self.own_samples = samples;
-        self.own_scale = norms::rms(values) / samples.max(1.0);
-        self.own = values.to_vec();
+        self.own_scale = norms::rms(&values) / samples.max(1.0);
+        self.own = values;
+        let values = &self.own;
         self.started = now;
         self.feedback.begin(self.len);
         let mut buf = Vec::new();
@@ -446,7 +453,7 @@ impl Round {
                         part: j as u32,
                         samples,
                         loss,
-                        data: buf.clone(),
+                        data: std::mem::take(&mut buf),
                     },
                 ));
             }
@@ -753,6 +760,7 @@ impl Round {
             // The owner uses the decoded bytes too, so every replica holds the same values.
             let decoded = self.decode(&data, r.len()).unwrap_or(avg);
             self.averaged[me] = Some(decoded);
+            let data = Arc::new(data);
             for &k in &self.group {
                 if k != self.me {
                     self.out.push_back(RoundOut::Send(

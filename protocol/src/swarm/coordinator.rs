@@ -678,14 +678,14 @@ impl StepCoordinator {
                 self.last_collected = now;
                 let loss = (self.losses.1 > 0.0).then_some(self.losses.0);
                 self.losses = (0.0, 0.0);
-                self.rounds.contribute(&values, samples, loss, now);
+                self.rounds.contribute(values, samples, loss, now);
                 true
             }
             SyncMode::DiLoCo { .. } => {
                 let w = self.samples_since_outer as f32;
                 let scaled: Vec<f32> = values.iter().map(|v| v * w).collect();
                 self.rounds
-                    .contribute(&scaled, self.samples_since_outer, None, now);
+                    .contribute(scaled, self.samples_since_outer, None, now);
                 false
             }
         }

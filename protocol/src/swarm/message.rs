@@ -4,6 +4,7 @@
 
 use super::{PeerKey, RunConfig, RunId};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// A message with the run it belongs to; the receiver drops envelopes of other runs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -240,9 +241,9 @@ pub enum RoundMsg {
         samples: f64,
         /// Mean loss per sample over them (last stage only).
         loss: Option<f64>,
-        /// Encoded averaged values.
-        #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
+        /// Encoded averaged values (one buffer however many members it goes to).
+        #[serde(with = "shared_bytes")]
+        data: Arc<Vec<u8>>,
     },
     /// "Send me averaged part `part` if you have it" (its owner vanished mid-send).
     Request {
@@ -450,5 +451,20 @@ impl Traffic {
             Traffic::State => "state",
             Traffic::Control => "control",
         }
+    }
+}
+
+/// Serde for a byte string that several messages share (an owner sends its averaged part to
+/// every member): written as bytes, read into a buffer of its own.
+mod shared_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::sync::Arc;
+
+    pub fn serialize<S: Serializer>(data: &Arc<Vec<u8>>, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(data)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Arc<Vec<u8>>, D::Error> {
+        serde_bytes::ByteBuf::deserialize(d).map(|b| Arc::new(b.into_vec()))
     }
 }

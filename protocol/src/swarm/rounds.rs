@@ -398,7 +398,7 @@ impl Rounds {
     }
 
     /// This replica's contribution to the current round.
-    pub fn contribute(&mut self, values: &[f32], samples: f64, loss: Option<f64>, now: Duration) {
+    pub fn contribute(&mut self, values: Vec<f32>, samples: f64, loss: Option<f64>, now: Duration) {
         if let Some(r) = self.current.as_mut() {
             r.contribute(values, samples, loss, now);
         }

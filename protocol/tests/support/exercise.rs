@@ -307,7 +307,7 @@ impl Exercise {
                         part: (b.u8() % 4) as u32,
                         samples: (b.u8() as f64) / 2.0,
                         loss: Some(1.0),
-                        data: tensor(&vec![0.5; n], poison),
+                        data: tensor(&vec![0.5; n], poison).into(),
                     },
                     4 => RoundMsg::Request {
                         attempt: b.u8() as u64,

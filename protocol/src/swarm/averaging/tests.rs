@@ -75,7 +75,7 @@ fn round_among(
             let slow = late.is_some_and(|(k, at)| k == i && now < at);
             if asked[i] && !slow {
                 asked[i] = false;
-                rounds[i].contribute(&contribution(i), (i + 1) as f64, None, now);
+                rounds[i].contribute(contribution(i), (i + 1) as f64, None, now);
             }
             while let Some(out) = rounds[i].poll() {
                 match out {
@@ -205,7 +205,7 @@ fn parts_far_larger_than_this_members_own_are_refused() {
     let mut r = Round::lead(key, a, &[b], 8, Codec::Fp32, timing(), Duration::ZERO);
     r.handle(b, RoundMsg::Join, Duration::ZERO);
     while r.poll().is_some() {}
-    r.contribute(&[2.0; 8], 2.0, None, Duration::ZERO);
+    r.contribute(vec![2.0; 8], 2.0, None, Duration::ZERO);
     while r.poll().is_some() {}
     let huge = crate::codec::encode_to_vec(Codec::Fp32, &[1e6; 4], &[4]).unwrap();
     r.handle(
@@ -226,7 +226,7 @@ fn parts_far_larger_than_this_members_own_are_refused() {
             part: 1,
             samples: 4.0,
             loss: None,
-            data: huge,
+            data: huge.into(),
         },
         MS,
     );
@@ -278,7 +278,7 @@ fn a_part_the_members_refuse_is_applied_by_nobody() {
         let mut r = Round::lead(key, a, &[b], 8, codec, timing(), Duration::ZERO);
         r.handle(b, RoundMsg::Join, Duration::ZERO);
         while r.poll().is_some() {}
-        r.contribute(&own, 2.0, None, Duration::ZERO);
+        r.contribute(own.clone(), 2.0, None, Duration::ZERO);
         let mine = r.my_index().unwrap();
         let theirs = 1 - mine;
         let (m, t) = (r.range(mine), r.range(theirs));
@@ -305,7 +305,7 @@ fn a_part_the_members_refuse_is_applied_by_nobody() {
                 part: theirs as u32,
                 samples: 4.0,
                 loss: None,
-                data,
+                data: data.into(),
             },
             MS,
         );
@@ -409,7 +409,7 @@ fn messages_of_an_earlier_attempt_are_dropped_unblamed() {
     let mut r = Round::lead(key, a, &[b], 8, Codec::Fp32, timing(), Duration::ZERO);
     r.handle(b, RoundMsg::Join, Duration::ZERO);
     while r.poll().is_some() {}
-    r.contribute(&[2.0; 8], 2.0, None, Duration::ZERO);
+    r.contribute(vec![2.0; 8], 2.0, None, Duration::ZERO);
     while r.poll().is_some() {}
     // The earlier attempt had three members, led by c: parts of 8/3 values.
     let mut earlier = vec![a, b, c];
@@ -437,7 +437,7 @@ fn messages_of_an_earlier_attempt_are_dropped_unblamed() {
                 part: 1 - mine,
                 samples: 4.0,
                 loss: None,
-                data: three.clone(),
+                data: three.clone().into(),
             },
             MS,
         );

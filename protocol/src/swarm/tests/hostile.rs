@@ -245,7 +245,7 @@ impl Attacker {
                         part,
                         samples,
                         loss: Some(f64::INFINITY),
-                        data,
+                        data: data.into(),
                     },
                 };
                 (to, Message::Round { key, msg }, "round forged")
