@@ -446,7 +446,7 @@ impl StepCoordinator {
         }
         // Behind a replica of this stage: its round is over, so catch up instead of starting
         // a round nobody else will join.
-        if let Some(ahead) = self.replica_ahead(stage, members) {
+        if let Some(ahead) = self.replica_ahead(stage, members, now) {
             self.catch_up(out, stage, ahead, now);
             return;
         }

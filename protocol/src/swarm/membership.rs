@@ -543,6 +543,7 @@ pub fn route_weights<'a>(
         .zip(&list)
         .map(|(w, (_, o))| w * o.factor)
         .collect();
+    let judged_weights = weights.clone();
     let best = weights.iter().copied().fold(0.0, f64::max);
     for ((w, announced), (a, o)) in weights.iter_mut().zip(&announced).zip(&list) {
         // A peer not measured yet has no claim to hold it up: the sender's timing is all
@@ -564,6 +565,17 @@ pub fn route_weights<'a>(
                 }
             }
         }
+    }
+    if !weights.iter().any(|w| *w > 0.0) {
+        // Every replica looks slow or late to this sender (after a partition, say, all of them
+        // missed its deadlines and none has measured itself since): it still sends, by the
+        // weights it had before judging them, or alike. Sending nowhere would stall the run
+        // for good: no replica would get the work that makes it measured and timely again.
+        weights = if judged_weights.iter().any(|w| *w > 0.0) {
+            judged_weights
+        } else {
+            vec![1.0; list.len()]
+        };
     }
     weights
 }
@@ -705,6 +717,14 @@ mod tests {
         };
         let w = route_weights([(&new, late), (&honest, timed(1.0))].into_iter());
         assert_eq!(w[0], 0.0, "{w:?}");
+        // But when every replica is unmeasured and late (after a partition), the work still
+        // goes somewhere, the less late getting more: sending nowhere would stall the run.
+        let later = Observed {
+            factor: 1.0 / 128.0,
+            ..late
+        };
+        let w = route_weights([(&new, late), (&new, later)].into_iter());
+        assert!(w[0] > w[1] && w[1] > 0.0, "{w:?}");
         // One that never answered gets one microbatch at a time until it does, while another
         // can take the work; before anyone is timed, all there is are claims.
         let probing = Observed {

@@ -12,16 +12,56 @@ use std::time::Duration;
 
 impl StepCoordinator {
     /// A replica of `stage` that completed more rounds than this one.
-    pub(super) fn replica_ahead(&self, stage: u32, members: &Membership) -> Option<PeerKey> {
+    pub(super) fn replica_ahead(
+        &self,
+        stage: u32,
+        members: &Membership,
+        now: Duration,
+    ) -> Option<PeerKey> {
         if self.finished {
             return None;
         }
-        let vouched = members.vouched(stage);
+        let vouched = self.counted(stage, members, now);
         members
             .iter()
             .filter(|(k, m)| m.serves(stage) && self.catchable(**k, m.announcement.round, &vouched))
             .max_by_key(|(_, m)| m.announcement.round)
             .map(|(k, _)| *k)
+    }
+
+    /// The replicas of `stage` whose announcements of a later round this replica follows:
+    /// those it vouches for ([`Membership::vouched`]), or every one while it is stranded.
+    fn counted<'a>(
+        &self,
+        stage: u32,
+        members: &'a Membership,
+        now: Duration,
+    ) -> impl Fn(PeerKey) -> bool + 'a {
+        let stranded = self.stranded(stage, members, now);
+        let vouched = members.vouched(stage);
+        move |k| stranded || vouched(k)
+    }
+
+    /// Stranded: no work has come for longer than a round may take, no round runs, and no
+    /// replica this one vouches for is ahead of it, while some replica of the stage is. The
+    /// stage went on without it (a partition cut it off with the replicas it had checked, and
+    /// the run's work went to the others): the replicas it checked say nothing of where the
+    /// stage is now, so it goes by announcements, as a replica that checked nobody does (a
+    /// state it downloads is still checked against the hash the stage's replicas announce).
+    fn stranded(&self, stage: u32, members: &Membership, now: Duration) -> bool {
+        if self.rounds.active()
+            || self.applying_round
+            || now.saturating_sub(self.last_collected) <= self.settings.timing.round_timeout
+        {
+            return false;
+        }
+        let vouched = members.vouched(stage);
+        let ahead: Vec<PeerKey> = members
+            .iter()
+            .filter(|(_, m)| m.serves(stage) && m.announcement.round > self.round)
+            .map(|(k, _)| *k)
+            .collect();
+        !ahead.is_empty() && ahead.iter().all(|k| !vouched(*k))
     }
 
     /// Whether this replica could replay its current round from `peer`, which completed
@@ -49,8 +89,8 @@ impl StepCoordinator {
     ) -> Option<Resync> {
         // Only a replica ahead matters (the active round's index is this replica's round), and
         // `vouched` scans the membership: not worth doing for every announcement.
-        let catchable =
-            a.round > self.round && self.catchable(from, a.round, &members.vouched(stage));
+        let catchable = a.round > self.round
+            && self.catchable(from, a.round, &self.counted(stage, members, now));
         if self.rounds.active() {
             self.rounds
                 .went_on(from, a.round, catchable && !self.finished, now);
@@ -177,7 +217,7 @@ impl StepCoordinator {
         now: Duration,
     ) {
         if let Some(stage) = stage {
-            if let Some(ahead) = self.replica_ahead(stage, members) {
+            if let Some(ahead) = self.replica_ahead(stage, members, now) {
                 self.catch_up(out, stage, ahead, now);
             }
         }

@@ -190,6 +190,45 @@ fn a_replica_behind_catches_up_from_the_replica_ahead_and_downloads_if_it_cannot
     assert_eq!(resync.map(|r| r.from), Some(PeerKey(9)));
 }
 
+/// A replica left behind with the replicas it checked (a partition cut them off, and the run's
+/// work went on with the others) catches up from a replica ahead it never checked, once no
+/// work has come for longer than a round may take; not before, and not while a replica it
+/// checked is ahead (it asks that one).
+#[test]
+fn a_stranded_replica_catches_up_from_a_replica_it_never_checked() {
+    let mut m = members(&[(9, 1, 20, Some(3)), (4, 1, 0, Some(7))]);
+    m.set_checked(PeerKey(4), true, true);
+    let mut out = Outbox::new(ME);
+    let mut c = serving(SyncMode::AllReduce);
+    let a = announcement(1, 20, Some(3));
+    let soon = timing().round_timeout;
+    c.on_replica_announced(&mut out, 1, &m, PeerKey(9), &a, soon);
+    assert_eq!(
+        sends(&mut out),
+        [],
+        "idle for no longer than a round may take"
+    );
+    let later = soon + MS;
+    c.on_replica_announced(&mut out, 1, &m, PeerKey(9), &a, later);
+    let request = Message::CatchUpRequest { stage: 1, round: 0 };
+    assert_eq!(sends(&mut out), [(PeerKey(9), request.clone())]);
+    // A checked replica ahead is asked instead, and an unchecked one is not followed.
+    let mut m = members(&[(9, 1, 20, Some(3)), (4, 1, 2, Some(7))]);
+    m.set_checked(PeerKey(4), true, true);
+    let mut c = serving(SyncMode::AllReduce);
+    c.on_replica_announced(&mut out, 1, &m, PeerKey(9), &a, later);
+    assert_eq!(sends(&mut out), []);
+    c.on_replica_announced(
+        &mut out,
+        1,
+        &m,
+        PeerKey(4),
+        &announcement(1, 2, Some(7)),
+        later,
+    );
+    assert_eq!(sends(&mut out), [(PeerKey(4), request)]);
+}
+
 /// Laggards and the end of the run: a driver of a stage ahead of another by more than a
 /// round, or of a finished stage, is told to feed the slowest round only.
 #[test]
