@@ -56,12 +56,11 @@ impl StepCoordinator {
             return false;
         }
         let vouched = members.vouched(stage);
-        let ahead: Vec<PeerKey> = members
+        let mut ahead = members
             .iter()
             .filter(|(_, m)| m.serves(stage) && m.announcement.round > self.round)
-            .map(|(k, _)| *k)
-            .collect();
-        !ahead.is_empty() && ahead.iter().all(|k| !vouched(*k))
+            .peekable();
+        ahead.peek().is_some() && ahead.all(|(k, _)| !vouched(*k))
     }
 
     /// Whether this replica could replay its current round from `peer`, which completed
