@@ -37,8 +37,8 @@ impl StepCoordinator {
         members: &'a Membership,
         now: Duration,
     ) -> impl Fn(PeerKey) -> bool + 'a {
-        let stranded = self.stranded(stage, members, now);
         let vouched = members.vouched(stage);
+        let stranded = self.stranded(stage, members, &vouched, now);
         move |k| stranded || vouched(k)
     }
 
@@ -48,14 +48,19 @@ impl StepCoordinator {
     /// the run's work went to the others): the replicas it checked say nothing of where the
     /// stage is now, so it goes by announcements, as a replica that checked nobody does (a
     /// state it downloads is still checked against the hash the stage's replicas announce).
-    fn stranded(&self, stage: u32, members: &Membership, now: Duration) -> bool {
+    fn stranded(
+        &self,
+        stage: u32,
+        members: &Membership,
+        vouched: &impl Fn(PeerKey) -> bool,
+        now: Duration,
+    ) -> bool {
         if self.rounds.active()
             || self.applying_round
             || now.saturating_sub(self.last_collected) <= self.settings.timing.round_timeout
         {
             return false;
         }
-        let vouched = members.vouched(stage);
         let mut ahead = members
             .iter()
             .filter(|(_, m)| m.serves(stage) && m.announcement.round > self.round)

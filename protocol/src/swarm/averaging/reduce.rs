@@ -1,0 +1,96 @@
+//! The owner's side of a round: the robust mean of the members' shares of its part, the
+//! evidence on each share, and the averaged part sent back to every member (one encoded
+//! buffer for all of them).
+
+use super::{Phase, Round, RoundMsg, RoundOut};
+use crate::swarm::PeerKey;
+use crate::swarm::bans::Evidence;
+use crate::swarm::robust::{self, Share};
+use std::sync::Arc;
+use std::time::Duration;
+
+impl Round {
+    /// Once every member's share of this member's part is in (or the exchange timed out):
+    /// the part's robust mean, the evidence on each share, and the part encoded once for
+    /// every other member.
+    pub(super) fn maybe_reduce(&mut self, now: Duration, timed_out: bool) {
+        if self.owned_done || self.phase != Phase::Exchanging {
+            return;
+        }
+        let Some(me) = self.my_index() else { return };
+        let all = self.group.iter().all(|k| self.shares.contains_key(k));
+        if !all && !timed_out {
+            return;
+        }
+        self.owned_done = true;
+        let r = self.range(me);
+        let members: Vec<PeerKey> = self.shares.keys().copied().collect();
+        let shares: Vec<Share> = self
+            .shares
+            .values()
+            .map(|(values, samples, _)| Share {
+                values,
+                samples: *samples,
+            })
+            .collect();
+        let robust = robust::centered_clip(&shares, r.len());
+        // The loss too is a mean over capped weights: a claimed batch buys no more say.
+        let (mut loss_sum, mut loss_weight) = (0.0, 0.0);
+        for ((_, s, l), w) in self.shares.values().zip(&robust.weights) {
+            if let Some(l) = l.filter(|_| *s > 0.0) {
+                loss_sum += w * l / s;
+                loss_weight += w;
+            }
+        }
+        let loss = (loss_weight > 0.0).then(|| loss_sum / loss_weight);
+        // This member's own part decides the loss it reports (parts agree unless a share
+        // went missing).
+        self.loss = loss.or(self.loss);
+        self.evidence.extend(
+            members
+                .into_iter()
+                .zip(robust.support)
+                .filter(|(k, _)| *k != self.me)
+                .filter_map(|(peer, s)| Some(Evidence::Share { peer, support: s? })),
+        );
+        let samples = robust.weight;
+        let mut avg = robust.mean;
+        if self.forge_part {
+            // A scripted attacker (see [`super::attack`]): its part, negated, for everyone.
+            avg.iter_mut().for_each(|v| *v = -*v);
+        }
+        let mut data = Vec::new();
+        if self.group.len() == 1 {
+            // Alone: nothing travels, so nothing needs compressing.
+            self.averaged[me] = Some(avg);
+        } else if r.is_empty()
+            || self
+                .feedback
+                .encode_part(&mut self.encoder, &avg, r.clone(), self.len, &mut data)
+                .is_err()
+        {
+            self.averaged[me] = Some(avg);
+        } else {
+            // The owner uses the decoded bytes too, so every replica holds the same values.
+            let decoded = self.decode(&data, r.len()).unwrap_or(avg);
+            self.averaged[me] = Some(decoded);
+            let data = Arc::new(data);
+            for &k in &self.group {
+                if k != self.me {
+                    self.out.push_back(RoundOut::Send(
+                        k,
+                        RoundMsg::Averaged {
+                            attempt: self.attempt,
+                            part: me as u32,
+                            samples,
+                            loss,
+                            data: data.clone(),
+                        },
+                    ));
+                }
+            }
+            self.encoded.insert(me as u32, (samples, loss, data));
+        }
+        let _ = now;
+    }
+}
