@@ -88,6 +88,9 @@ pub struct Report {
     /// Rebalancing: `[sim_s, peer, from_stage, to_stage]` of every stage move (peers are
     /// numbered in the order they joined).
     pub moves: Vec<(f64, usize, u32, u32)>,
+    /// `[sim_s, peer, seconds_to_serving]` of every peer that joined after the start (it
+    /// chose a stage and downloaded its state): None if it never served.
+    pub joins: Vec<(f64, usize, Option<f64>)>,
     /// The slowest stage's capacity, samples per second (the sum over its serving replicas of
     /// what each device can compute there: forward and backward passes back to back, per
     /// the device model): `[at the first step, at the end]`.
@@ -240,6 +243,18 @@ impl Report {
                 format!("{} ({})", moves.len(), moves.join(", "))
             },
         );
+        if !self.joins.is_empty() {
+            let serving: Vec<String> = self
+                .joins
+                .iter()
+                .map(|j| j.2.map_or("never".into(), |s| format!("{s:.1} s")))
+                .collect();
+            row(
+                &mut out,
+                "joiners serving after",
+                format!("{} ({})", serving.len(), serving.join(", ")),
+            );
+        }
         row(
             &mut out,
             "slowest stage",

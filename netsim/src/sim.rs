@@ -86,6 +86,8 @@ struct SimPeer {
     joined_at: f64,
     /// When it crashed or left.
     gone_at: Option<f64>,
+    /// When it first served a stage.
+    served_at: Option<f64>,
     /// Partition side (peers talk only within a side) and since when.
     side: u32,
     side_since: f64,
@@ -512,6 +514,7 @@ impl Sim {
                 link,
                 joined_at: self.now_s(),
                 gone_at: None,
+                served_at: None,
                 side: 0,
                 side_since: 0.0,
                 busy_until: self.now_s(),
@@ -555,6 +558,7 @@ impl Sim {
             link,
             joined_at: self.now_s(),
             gone_at: None,
+            served_at: None,
             side: 0,
             side_since: 0.0,
             busy_until: self.now_s(),
@@ -864,6 +868,9 @@ impl Sim {
                 }
             }
             Event::Moving { from, to } => self.moves.push((self.now_s(), i, from, to)),
+            Event::Serving { .. } if self.peers[i].served_at.is_none() => {
+                self.peers[i].served_at = Some(self.now_s());
+            }
             _ => {}
         }
     }

@@ -193,6 +193,11 @@ pub struct RunArgs {
     /// The peer measures, announces and is routed by the throughput it really gives.
     #[arg(long, default_value = "1", value_parser = fraction)]
     pub duty_cycle: f32,
+    /// Caps the upload that serving this stage's state to joining peers takes, in megabytes
+    /// per second (chunks leave one after another at that rate); by default as fast as the
+    /// link goes. Joiners pull from several replicas at once, so a capped one serves less.
+    #[arg(long, value_parser = positive_f32)]
+    pub state_upload_limit: Option<f32>,
     /// How this peer shares out work: weighted (replicas by throughput and queue, skipping
     /// stragglers; a driver's part of a step by its throughput) or uniform (every replica and
     /// driver alike, however slow).

@@ -392,6 +392,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         seed,
     ));
     peer.set_routing(args.routing);
+    peer.set_state_upload_limit(args.state_upload_limit.map(|mb| f64::from(mb) * 1e6));
     if let Some(stage) = args.stage {
         peer.set_first_stage(stage);
     }
@@ -433,6 +434,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     peer.handle_timeout(now());
                 }
                 progress.maybe_print(&peer, &tally, start);
+                progress.download(&peer);
                 if tally.finished_at.is_none() {
                     if let Some(why) = stall.check(&peer) {
                         break Ending::Stalled(why);
@@ -655,6 +657,8 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             microbatches_dropped: stats.microbatches_dropped,
             rounds_degraded: stats.rounds_degraded,
             state_transfers: stats.state_transfers,
+            state_bytes_received: stats.state_bytes_received,
+            state_restarts: stats.state_restarts,
             moves: stats.moves,
             violations: stats.violations,
             violations_by_kind: tally

@@ -255,6 +255,7 @@ fn the_shipped_scenarios_are_valid() {
             "churn",
             "churn-nano",
             "demo",
+            "gpt2-home",
             "hetero",
             "hetero-nano",
             "home",

@@ -403,3 +403,98 @@ fn a_peer_left_alone_gives_up_with_an_error() {
     assert!(report["steps"].as_u64().unwrap() >= 5, "{report}");
     assert!(dir.join("p0-ckpt").join("stage.ckpt").exists());
 }
+
+/// A joiner pulls a stage's state (`mini` in one stage: about 400 MB with its AdamW moments)
+/// from both replicas at once, each capped at 80 MB/s so the download takes seconds even on
+/// loopback; one source is killed a third of the way and the download finishes from the
+/// other, keeping every chunk it had (no restart, few bytes received twice).
+#[test]
+fn a_joiner_keeps_its_download_when_a_source_is_killed() {
+    let _turn = ONE_SWARM_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("run-download");
+    let run_args: Vec<String> = [
+        "--preset",
+        "mini",
+        "--stages",
+        "1",
+        "--seq",
+        "16",
+        "--global-batch",
+        "32",
+        "--microbatch",
+        "2",
+        "--max-steps",
+        "40",
+    ]
+    .map(String::from)
+    .to_vec();
+    let joiner = |run_id: &str, boot: &str| -> Vec<String> {
+        [
+            "--run",
+            run_id,
+            "--bootstrap",
+            boot,
+            "--state-upload-limit",
+            "80",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let mut creator_args = run_args.clone();
+    creator_args.extend(["--state-upload-limit", "80"].map(String::from));
+    // No checkpoints: 400 MB each.
+    let start = |name: &str, args: &[String]| {
+        let mut all: Vec<&str> = ["--listen", "/ip4/127.0.0.1/udp/0/quic-v1", "--no-mdns"].to_vec();
+        all.extend(["--threads", "1"]);
+        all.extend(args.iter().map(String::as_str));
+        RunProcess::start(&dir, name, &all)
+    };
+    let mut p0 = start("p0", &creator_args);
+    let (run_id, boot) = run_to_join(&mut p0);
+    assert_eq!(stage_of(&mut p0), 0);
+    let mut p1 = start("p1", &joiner(&run_id, &boot));
+    assert_eq!(stage_of(&mut p1), 0);
+    let at = p1.step();
+    p1.wait_step(at + 3, LONG);
+    let mut p2 = start("p2", &joiner(&run_id, &boot));
+    let line = p2.wait_line(LONG, |l| {
+        l.starts_with("state download: ")
+            && l["state download: ".len()..]
+                .split('%')
+                .next()
+                .and_then(|p| p.parse::<u32>().ok())
+                .is_some_and(|p| p >= 30)
+    });
+    p1.kill();
+    let total_mb: f64 = line
+        .split(" of ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|t| t.parse().ok())
+        .unwrap();
+    assert!(total_mb > 300.0, "a multi-hundred-MB state: {line}");
+    assert_eq!(stage_of(&mut p2), 0);
+    let r0 = p0.finish(LONG);
+    let r2 = p2.finish(LONG);
+    let received = r2["state_bytes_received"].as_u64().unwrap() as f64 / 1e6;
+    eprintln!(
+        "joiner: {received:.1} MB received for a {total_mb:.1} MB state, source killed at {line:?}, \
+         {} restart(s)",
+        r2["state_restarts"]
+    );
+    assert_eq!(r2["state_restarts"], 0, "{r2}");
+    assert_eq!(r2["state_transfers"], 1, "{r2}");
+    // Lost with the killed source: the chunks it had been asked for, a few at most.
+    assert!(
+        received < total_mb + 40.0,
+        "{received} MB for {total_mb} MB"
+    );
+    assert_eq!(r0["steps"], 40);
+    assert_eq!(r2["steps"], 40);
+    assert_eq!(
+        r0["params_hash"], r2["params_hash"],
+        "the joiner agrees with its stage"
+    );
+}

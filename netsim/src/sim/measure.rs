@@ -134,6 +134,14 @@ impl Sim {
             .iter()
             .filter(|b| !self.peers[b.1].attacker())
             .count();
+        // Late joiners: those not there from the start, which must download a state.
+        let joins = (0..self.peers.len())
+            .filter(|i| self.peers[*i].joined_at > 0.0 && !self.peers[*i].sybil)
+            .map(|i| {
+                let p = &self.peers[i];
+                (p.joined_at, i, p.served_at.map(|t| t - p.joined_at))
+            })
+            .collect();
         Report {
             seed: 0,
             peers: self.peers.len(),
@@ -173,6 +181,7 @@ impl Sim {
             honest_agree,
             recoveries: self.recoveries,
             moves: self.moves,
+            joins,
             slowest_stage,
             events: self.events,
             event_hash: format!("{:016x}", self.trace.digest()),

@@ -55,6 +55,8 @@ pub(super) struct Progress {
     tty: bool,
     last: Instant,
     last_done: u64,
+    /// Tenths of the state download in progress already shown.
+    download_shown: Option<u64>,
 }
 
 impl Progress {
@@ -63,7 +65,32 @@ impl Progress {
             tty: std::io::stdout().is_terminal(),
             last: Instant::now(),
             last_done: 0,
+            download_shown: None,
         }
+    }
+
+    /// A line at every tenth of a state download (a large stage takes a while on a home
+    /// link).
+    pub(super) fn download(&mut self, peer: &Peer) {
+        let Some((held, total)) = peer.download_progress().filter(|p| p.1 > 0) else {
+            self.download_shown = None;
+            return;
+        };
+        let tenths = held * 10 / total;
+        if self.download_shown.is_some_and(|t| t >= tenths) {
+            return;
+        }
+        self.download_shown = Some(tenths);
+        let mb = |b: u64| b as f64 / 1e6;
+        if self.tty {
+            println!();
+        }
+        println!(
+            "state download: {}% ({:.1} of {:.1} MB)",
+            tenths * 10,
+            mb(held),
+            mb(total)
+        );
     }
 
     pub(super) fn maybe_print(&mut self, peer: &Peer, tally: &Tally, _start: Instant) {

@@ -23,6 +23,10 @@ pub(super) struct RunReport {
     pub(super) microbatches_dropped: u64,
     pub(super) rounds_degraded: u64,
     pub(super) state_transfers: u64,
+    /// Bytes of state downloaded, duplicates and chunks of abandoned versions included.
+    pub(super) state_bytes_received: u64,
+    /// Downloads that started over because no source of their version was left.
+    pub(super) state_restarts: u64,
     pub(super) moves: u64,
     /// Messages dropped as protocol violations (each sender and kind is logged once).
     pub(super) violations: u64,

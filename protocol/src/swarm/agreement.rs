@@ -1,13 +1,14 @@
 //! How a replica gets back to the parameters its stage's other replicas hold.
 //!
 //! A replica a round behind replays the round it missed from another replica's record of it
-//! (a catch-up: cheap, and it lands on bit-identical parameters); if the record is gone, or
+//! (a catch-up: the round's averaged parts as their owners encoded them, so it costs what the
+//! round's parts did and lands on bit-identical parameters); if the record is gone, or
 //! no answer comes, it downloads the stage's state instead. Replicas at the same round whose
 //! parameters differ settle it by a vote over the hashes they announce: the side fewer
 //! replicas hold downloads the other's state.
 
 use super::PeerKey;
-use super::interface::Event;
+use super::averaging::part_range;
 use super::membership::{Member, Membership};
 use super::message::Message;
 use super::norms;
@@ -15,6 +16,7 @@ use super::outbox::Outbox;
 use super::server::decode;
 use crate::{Codec, Encoder};
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Bytes of round results kept for replicas that fall behind (at least the last round is
@@ -33,31 +35,86 @@ pub(super) struct Resync {
     pub elsewhere: bool,
 }
 
+/// One round's result as kept: each part's encoding, whose decodings make up the vector
+/// every replica applied.
+#[derive(Debug)]
+struct Record {
+    round: u64,
+    parts: Vec<Arc<Vec<u8>>>,
+    samples: f64,
+    /// Root mean square of the applied vector (how large a round's result is).
+    rms: f64,
+}
+
+impl Record {
+    fn bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.len()).sum()
+    }
+}
+
 /// The results of recent rounds, to replay for a replica that missed them.
 #[derive(Debug, Default)]
 struct RoundHistory {
-    rounds: VecDeque<(u64, Vec<f32>, f64)>,
+    rounds: VecDeque<Record>,
+    /// Rounds from this one on are kept beyond [`HISTORY_BYTES`], up to the bytes given: a
+    /// state being downloaded from this replica is that old, and its downloader will ask
+    /// for them.
+    keep: Option<(u64, usize)>,
 }
 
 impl RoundHistory {
-    /// Keeps the result of `round`, forgetting the oldest beyond [`HISTORY_BYTES`].
-    fn remember(&mut self, round: u64, values: &[f32], samples: f64) {
-        self.rounds.push_back((round, values.to_vec(), samples));
-        let mut bytes: usize = self.rounds.iter().map(|h| h.1.len() * 4).sum();
-        while self.rounds.len() > 1 && bytes > HISTORY_BYTES {
+    /// Keeps `record`, forgetting the oldest beyond [`HISTORY_BYTES`] (or the retention asked
+    /// for, see [`CatchUp::keep_since`]).
+    fn remember(&mut self, record: Record) {
+        self.rounds.retain(|r| r.round != record.round);
+        self.rounds.push_back(record);
+        self.trim();
+    }
+
+    fn trim(&mut self) {
+        let mut bytes: usize = self.rounds.iter().map(Record::bytes).sum();
+        while self.rounds.len() > 1 {
+            let oldest = self.rounds[0].round;
+            let budget = match self.keep {
+                Some((since, budget)) if oldest >= since => budget.max(HISTORY_BYTES),
+                _ => HISTORY_BYTES,
+            };
+            if bytes <= budget {
+                break;
+            }
             if let Some(old) = self.rounds.pop_front() {
-                bytes -= old.1.len() * 4;
+                bytes -= old.bytes();
             }
         }
     }
 
-    /// The averaged vector of `round` and the samples behind it.
-    fn get(&self, round: u64) -> Option<(&[f32], f64)> {
-        self.rounds
-            .iter()
-            .find(|h| h.0 == round)
-            .map(|h| (h.1.as_slice(), h.2))
+    fn get(&self, round: u64) -> Option<&Record> {
+        self.rounds.iter().find(|h| h.round == round)
     }
+}
+
+/// A catch-up's parts in one buffer: each part's encoded tensor after its length (u32,
+/// little-endian).
+pub fn frame_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for p in parts {
+        out.extend_from_slice(&(p.len() as u32).to_le_bytes());
+        out.extend_from_slice(p);
+    }
+    out
+}
+
+/// The parts of a catch-up framed by [`frame_parts`]; None if the framing does not hold.
+pub fn parts_of(data: &[u8]) -> Option<Vec<&[u8]>> {
+    let mut parts = Vec::new();
+    let mut rest = data;
+    while !rest.is_empty() {
+        let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+        let part = rest.get(4..4usize.checked_add(len)?)?;
+        parts.push(part);
+        rest = &rest[4 + len..];
+    }
+    Some(parts)
 }
 
 /// A catch-up request on its way.
@@ -80,9 +137,45 @@ pub(super) struct CatchUp {
 }
 
 impl CatchUp {
-    /// Records the averaged vector applied in `round`, for replicas that miss it.
-    pub fn remember(&mut self, round: u64, values: &[f32], samples: f64) {
-        self.history.remember(round, values, samples);
+    /// Records the result of `round`, for replicas that miss it: the applied vector `values`
+    /// and each part's encoding where it has one (`parts`, one per part; a part without one
+    /// is kept in fp32).
+    pub fn remember(
+        &mut self,
+        round: u64,
+        values: &[f32],
+        parts: &[Option<Arc<Vec<u8>>>],
+        samples: f64,
+    ) {
+        let n = parts.len().max(1);
+        let parts = (0..n)
+            .map(|j| match parts.get(j).cloned().flatten() {
+                Some(bytes) => bytes,
+                None => {
+                    let part = &values[part_range(values.len(), n, j)];
+                    let mut data = Vec::new();
+                    // fp32 of finite values cannot fail; an empty record answers nothing.
+                    let _ = self
+                        .encoder
+                        .encode(Codec::Fp32, part, &[part.len()], &mut data);
+                    Arc::new(data)
+                }
+            })
+            .collect();
+        self.history.remember(Record {
+            round,
+            parts,
+            samples,
+            rms: norms::rms(values),
+        });
+    }
+
+    /// Keeps the rounds from `round` on, up to `bytes` of them (None: the usual
+    /// [`HISTORY_BYTES`]): a replica serving a download of its state at `round` keeps what
+    /// its downloader will need to catch up instead of downloading again.
+    pub fn keep_since(&mut self, keep: Option<(u64, usize)>) {
+        self.history.keep = keep;
+        self.history.trim();
     }
 
     /// Whether a request is on its way.
@@ -112,25 +205,16 @@ impl CatchUp {
         out.send(from, Message::CatchUpRequest { stage, round });
     }
 
-    /// Another replica asks for the result of `round`: the averaged vector as applied (fp32,
-    /// so the replica that applies it lands on bit-identical parameters), or nothing if it
-    /// is no longer kept.
+    /// Another replica asks for the result of `round`: each part as its owner encoded it (the
+    /// replica that decodes them lands on bit-identical parameters, and the answer costs what
+    /// the round's averaged parts did, not fp32), or nothing if it is no longer kept.
     pub fn answer(&mut self, out: &mut Outbox, to: PeerKey, stage: u32, round: u64) {
         if self.answered.get(&to).is_some_and(|r| round <= *r) {
             return;
         }
         self.answered.insert(to, round);
         let (samples, data) = match self.history.get(round) {
-            Some((values, samples)) => {
-                let mut data = Vec::new();
-                if let Err(e) = self
-                    .encoder
-                    .encode(Codec::Fp32, values, &[values.len()], &mut data)
-                {
-                    out.event(Event::Warning(format!("encoding failed: {e}")));
-                }
-                (samples, data)
-            }
+            Some(r) => (r.samples, frame_parts(r.parts.iter().map(|p| p.as_slice()))),
             None => (0.0, Vec::new()),
         };
         out.send(
@@ -174,8 +258,18 @@ impl CatchUp {
             elsewhere: true,
             ..download
         };
-        let Some(values) = decode(data, len).filter(|v| v.len() == len && samples.is_finite())
-        else {
+        let decoded = parts_of(data)
+            .filter(|parts| !parts.is_empty() && parts.len() <= len.max(1) && samples.is_finite())
+            .and_then(|parts| {
+                let n = parts.len();
+                let mut values = Vec::with_capacity(len);
+                for (j, p) in parts.iter().enumerate() {
+                    let want = part_range(len, n, j).len();
+                    values.extend(decode(p, want).filter(|v| v.len() == want)?);
+                }
+                Some((parts, values))
+            });
+        let Some((parts, values)) = decoded else {
             out.violation(
                 from,
                 "a catch-up malformed, of the wrong size or not finite",
@@ -183,11 +277,19 @@ impl CatchUp {
             return Some(Err(lied));
         };
         // The rounds this replica applied itself say how large a round's result is.
-        let expected = self.history.rounds.back().map_or(0.0, |h| norms::rms(&h.1));
-        if !norms::within(norms::rms(&values), expected) {
+        let expected = self.history.rounds.back().map_or(0.0, |h| h.rms);
+        let rms = norms::rms(&values);
+        if !norms::within(rms, expected) {
             out.violation(from, "a catch-up far larger than the rounds before it");
             return Some(Err(lied));
         }
+        // Kept as it came, to answer others in turn.
+        self.history.remember(Record {
+            round,
+            parts: parts.iter().map(|p| Arc::new(p.to_vec())).collect(),
+            samples,
+            rms,
+        });
         Some(Ok(values))
     }
 
@@ -301,6 +403,28 @@ mod tests {
     }
 
     #[test]
+    fn rounds_since_a_held_snapshot_are_kept_beyond_the_usual_budget() {
+        let big = vec![0.5f32; HISTORY_BYTES / 4 / 2 + 1];
+        let mut c = CatchUp::default();
+        for r in 0..4 {
+            c.remember(r, &big, &[None], 1.0);
+        }
+        assert_eq!(
+            c.history.rounds.len(),
+            1,
+            "the usual budget holds one such round"
+        );
+        c.keep_since(Some((4, 4 * HISTORY_BYTES)));
+        for r in 4..8 {
+            c.remember(r, &big, &[None], 1.0);
+        }
+        assert_eq!(c.history.rounds.len(), 4, "a downloader's rounds are kept");
+        assert!(c.history.get(4).is_some());
+        c.keep_since(None);
+        assert_eq!(c.history.rounds.len(), 1);
+    }
+
+    #[test]
     fn a_missed_round_is_replayed_from_the_record_of_the_replica_asked() {
         let mut mine = CatchUp::default();
         let mut out = Outbox::new(ME);
@@ -314,7 +438,7 @@ mod tests {
             }]
         );
         let mut theirs = CatchUp::default();
-        theirs.remember(4, &[0.25; 3], 8.0);
+        theirs.remember(4, &[0.25; 3], &[None], 8.0);
         let mut their_out = Outbox::new(PeerKey(9));
         theirs.answer(&mut their_out, ME, 1, 4);
         let Some(Action::Send {
@@ -360,6 +484,7 @@ mod tests {
         // The wrong size.
         c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
         let two = crate::codec::encode_to_vec(Codec::Fp32, &[1.0; 2], &[2]).unwrap();
+        let two = frame_parts([two.as_slice()]);
         assert!(matches!(
             c.on_answer(&mut out, PeerKey(9), 4, 1.0, &two, 3),
             Some(Err(_))
@@ -368,23 +493,31 @@ mod tests {
         // parameters into NaN everywhere it spread.
         c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
         let nan = fixtures::poisoned(3);
+        let nan = frame_parts([nan.as_slice()]);
         assert!(matches!(
             c.on_answer(&mut out, PeerKey(9), 4, 1.0, &nan, 3),
             Some(Err(_))
         ));
+        // Framing that does not hold.
+        c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
+        assert!(matches!(
+            c.on_answer(&mut out, PeerKey(9), 4, 1.0, &[9, 0, 0, 0, 1], 3),
+            Some(Err(_))
+        ));
         assert_eq!(
-            out.violations, 2,
-            "the wrong size and the NaN, not the empty record"
+            out.violations, 3,
+            "the wrong size, the NaN and the framing, not the empty record"
         );
         // Finite, but a million times larger than the rounds this replica applied itself.
-        c.remember(3, &[0.5; 3], 8.0);
+        c.remember(3, &[0.5; 3], &[None], 8.0);
         c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
         let huge = crate::codec::encode_to_vec(Codec::Fp32, &[5e5; 3], &[3]).unwrap();
+        let huge = frame_parts([huge.as_slice()]);
         assert!(matches!(
             c.on_answer(&mut out, PeerKey(9), 4, 1.0, &huge, 3),
             Some(Err(_))
         ));
-        assert_eq!(out.violations, 3);
+        assert_eq!(out.violations, 4);
         // No answer by the deadline.
         c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
         assert_eq!(c.deadline(), Some(300 * MS));
@@ -395,18 +528,75 @@ mod tests {
 
     #[test]
     fn the_record_keeps_the_latest_rounds_within_its_budget() {
-        let mut h = RoundHistory::default();
+        let mut c = CatchUp::default();
         let big = vec![0.0; HISTORY_BYTES / 4 / 2 + 1];
-        h.remember(0, &big, 1.0);
-        h.remember(1, &big, 1.0);
-        assert!(h.get(0).is_none());
-        assert!(h.get(1).is_some());
+        c.remember(0, &big, &[None], 1.0);
+        c.remember(1, &big, &[None], 1.0);
+        assert!(c.history.get(0).is_none());
+        assert!(c.history.get(1).is_some());
         let huge = vec![0.0; HISTORY_BYTES / 4 + 1];
-        h.remember(2, &huge, 1.0);
+        c.remember(2, &huge, &[None], 1.0);
         assert!(
-            h.get(2).is_some(),
+            c.history.get(2).is_some(),
             "the last round is kept whatever its size"
         );
+    }
+
+    /// A round is kept and replayed as its owners encoded its parts: a catch-up costs what
+    /// the round's parts did (int8 here, a quarter of fp32), and decodes to exactly the
+    /// vector the replicas applied.
+    #[test]
+    fn a_catch_up_carries_the_parts_as_encoded_and_decodes_to_what_was_applied() {
+        let values: Vec<f32> = (0..4000)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 1e-3)
+            .collect();
+        let int8 = Codec::Int8 { block: 64 };
+        let n = 3;
+        let mut applied = Vec::new();
+        let mut parts = Vec::new();
+        for j in 0..n {
+            let part = &values[part_range(values.len(), n, j)];
+            let bytes = crate::codec::encode_to_vec(int8, part, &[part.len()]).unwrap();
+            applied.extend(decode(&bytes, part.len()).unwrap());
+            parts.push(Some(Arc::new(bytes)));
+        }
+        // The middle part was refused: applied as zeros, kept in fp32.
+        let middle = part_range(values.len(), n, 1);
+        applied[middle.clone()].iter_mut().for_each(|v| *v = 0.0);
+        parts[1] = None;
+        let mut theirs = CatchUp::default();
+        theirs.remember(7, &applied, &parts, 16.0);
+        let mut their_out = Outbox::new(PeerKey(9));
+        theirs.answer(&mut their_out, ME, 1, 7);
+        let Some(Action::Send {
+            msg: Message::CatchUp { samples, data, .. },
+            ..
+        }) = their_out.pop()
+        else {
+            panic!("an answer");
+        };
+        let fp32 = 4 * values.len();
+        assert!(
+            data.len() < fp32 / 4 + 4 * middle.len() + 200,
+            "{} bytes",
+            data.len()
+        );
+        let mut mine = CatchUp::default();
+        let mut out = Outbox::new(ME);
+        mine.ask(&mut out, PeerKey(9), 1, 7, 300 * MS);
+        let got = mine.on_answer(&mut out, PeerKey(9), 7, samples, &data, values.len());
+        assert_eq!(got, Some(Ok(applied)));
+        // Kept as it came: this replica answers the round in turn, byte for byte.
+        let mut again = Outbox::new(ME);
+        mine.answer(&mut again, PeerKey(3), 1, 7);
+        let Some(Action::Send {
+            msg: Message::CatchUp { data: relayed, .. },
+            ..
+        }) = again.pop()
+        else {
+            panic!("an answer");
+        };
+        assert_eq!(relayed, data);
     }
 
     /// The hash vote: the side with fewer replicas at the round downloads the other's state;

@@ -269,14 +269,21 @@ impl Attack {
                     ..
                 },
             ) if !data.is_empty() => {
-                // Re-encoded losslessly: a receiver decodes whatever codec a tensor names.
-                if let Ok((_, values)) = crate::codec::decode_to_vec(data) {
-                    let negated: Vec<f32> = values.iter().map(|v| -v).collect();
-                    if let Ok(forged) =
-                        crate::codec::encode_to_vec(crate::Codec::Fp32, &negated, &[negated.len()])
-                    {
-                        *data = forged;
-                    }
+                // Each part negated and re-encoded losslessly: a receiver decodes whatever
+                // codec a tensor names.
+                let forged: Option<Vec<Vec<u8>>> = super::agreement::parts_of(data).map(|parts| {
+                    parts
+                        .iter()
+                        .filter_map(|p| {
+                            let (_, values) = crate::codec::decode_to_vec(p).ok()?;
+                            let negated: Vec<f32> = values.iter().map(|v| -v).collect();
+                            let n = negated.len();
+                            crate::codec::encode_to_vec(crate::Codec::Fp32, &negated, &[n]).ok()
+                        })
+                        .collect()
+                });
+                if let Some(parts) = forged {
+                    *data = super::agreement::frame_parts(parts.iter().map(Vec::as_slice));
                 }
             }
             _ => {}

@@ -78,6 +78,9 @@ pub enum RoundOut {
 pub struct RoundResult {
     /// The averaged vector, identical on every member.
     pub averaged: Vec<f32>,
+    /// Each part's encoding as its owner sent it (the averaged vector is their decoding),
+    /// where there is one: a catch-up replays the round from these, at the codec's size.
+    pub parts: Vec<Option<Arc<Vec<u8>>>>,
     /// The members.
     pub group: Vec<PeerKey>,
     /// Samples behind this member's own part's average.
@@ -757,8 +760,18 @@ impl Round {
         self.feedback.finished(undelivered, &self.own);
         self.phase = Phase::Done;
         self.deadline = None;
+        let parts = (0..n as u32)
+            .map(|j| {
+                let applied = !zeroed.contains(&j) && !refused.contains(&j);
+                self.encoded
+                    .get(&j)
+                    .filter(|_| applied)
+                    .map(|e| e.2.clone())
+            })
+            .collect();
         self.out.push_back(RoundOut::Finished(RoundResult {
             averaged,
+            parts,
             group: self.group.clone(),
             samples,
             loss: self.loss,

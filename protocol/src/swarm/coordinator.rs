@@ -115,6 +115,9 @@ pub(super) struct StepCoordinator {
     round_samples: f64,
     round_loss: Option<f64>,
     catch_up: CatchUp,
+    /// The replica this one's state was downloaded from: it keeps the rounds since its
+    /// snapshot, so catch-ups go to it first (another's record may have dropped them).
+    state_source: Option<PeerKey>,
     /// When to look again at a stage that may be starving.
     starve_check: Option<Duration>,
     /// No round starts before this (see the module docs).
@@ -141,6 +144,7 @@ impl StepCoordinator {
             step: 0,
             round: 0,
             params_hash: None,
+            state_source: None,
             finished: false,
             joined: false,
             elders: Vec::new(),
@@ -286,8 +290,9 @@ impl StepCoordinator {
 
     /// The replica starts serving with parameters hashing to `hash` (None: not comparable,
     /// e.g. DiLoCo parameters in the middle of a round). It waits to settle until `settle`.
-    pub fn start_serving(&mut self, hash: Option<u64>, settle: Duration) {
+    pub fn start_serving(&mut self, hash: Option<u64>, source: Option<PeerKey>, settle: Duration) {
         self.settle_until = Some(settle);
+        self.state_source = source;
         self.params_hash = hash;
         self.inner_steps = 0;
         self.samples_since_outer = 0.0;
@@ -644,8 +649,12 @@ impl StepCoordinator {
                     self.round_group = result.group.len();
                     self.round_samples = result.samples;
                     self.round_loss = result.loss;
-                    self.catch_up
-                        .remember(key.index, &result.averaged, result.samples);
+                    self.catch_up.remember(
+                        key.index,
+                        &result.averaged,
+                        &result.parts,
+                        result.samples,
+                    );
                     out.compute(self.apply(result.averaged));
                     self.applying_round = true;
                 }
@@ -762,6 +771,7 @@ impl StepCoordinator {
     /// rounds must not answer for the next one.
     pub fn abandon(&mut self, out: &mut Outbox) {
         self.catch_up.abandon();
+        self.state_source = None;
         self.retry_at = None;
         self.applying_round = false;
         self.last_loss = None;

@@ -6,11 +6,23 @@
 //! state would be mid-round, unlike the other replicas'), each requester is served at most
 //! once per transfer timeout (a joiner whose download failed asks again after its deadline),
 //! and at most [`MAX_WAITING`] requests wait.
+//!
+//! A finished export is kept as a snapshot while its requesters pull chunks of it (see
+//! [`super::transfer`]): chunks are cut as they are asked for, so memory is one copy of the
+//! state however many chunks are in flight. A request that comes while a snapshot of the
+//! current step is held is served from it without another export. A snapshot is dropped once
+//! every peer it served released it (see [`StateExports::release`]) or nobody asked anything
+//! of it for a transfer timeout, and at most [`MAX_SNAPSHOTS`] are kept;
+//! each requester may pull at most twice its chunks (the endgame asks some twice), so a
+//! request costs a bounded upload. An operator may cap the upload chunks take
+//! ([`StateExports::set_upload_limit`]): chunks then leave one after another at that rate.
 
 use super::PeerKey;
 use super::interface::Job;
+use super::message::Message;
 use super::outbox::Outbox;
-use std::collections::{BTreeMap, VecDeque};
+use super::transfer::{WINDOW, chunk, chunk_count, state_hash};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 /// Exports queued or running at once, at most: each holds a copy of the state in memory.
@@ -19,15 +31,73 @@ pub(super) const MAX_RUNNING: usize = 2;
 /// Requests waiting for a round to end or an export to finish, at most.
 pub(super) const MAX_WAITING: usize = 64;
 
+/// Snapshots kept at once, at most (the least recently used goes first).
+pub(super) const MAX_SNAPSHOTS: usize = 2;
+
+/// Chunks waiting for the upload limit, at most: a full window for every request that may
+/// wait.
+const MAX_PACED: usize = MAX_WAITING * WINDOW;
+
+/// Where a state stands: its stage, steps and rounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct At {
+    pub stage: u32,
+    pub step: u64,
+    pub round: u64,
+}
+
+/// An export kept while it is downloaded.
+#[derive(Debug)]
+struct Snapshot {
+    at: At,
+    hash: u64,
+    bytes: Vec<u8>,
+    /// Chunks sent to each peer it serves.
+    sent: BTreeMap<PeerKey, u32>,
+    /// Those of them done with it (see [`StateExports::release`]).
+    released: BTreeSet<PeerKey>,
+    /// When a chunk of it was last asked for.
+    used: Duration,
+}
+
+impl Snapshot {
+    /// Whether chunk `index` may go to `to` (within `to`'s allowance); counts it if so.
+    fn grant(&mut self, to: PeerKey, index: u32, now: Duration) -> bool {
+        let allowance = 2 * chunk_count(self.bytes.len() as u64) + WINDOW as u32;
+        let Some(sent) = self.sent.get_mut(&to).filter(|n| **n < allowance) else {
+            return false;
+        };
+        if index >= chunk_count(self.bytes.len() as u64) {
+            return false;
+        }
+        *sent += 1;
+        self.used = now;
+        true
+    }
+}
+
 /// The state exports of one replica.
 #[derive(Debug)]
 pub(super) struct StateExports {
-    /// How long a requester waits before it is served again.
+    /// How long a requester waits before it is served again, and a snapshot is kept unused.
     every: Duration,
     running: usize,
-    waiting: VecDeque<PeerKey>,
+    /// Requests waiting, with the chunk each wants first.
+    waiting: VecDeque<(PeerKey, u32)>,
+    /// The chunk each requester of a running export wants first.
+    first: BTreeMap<PeerKey, u32>,
     /// When each recent requester was last served.
     served: BTreeMap<PeerKey, Duration>,
+    snapshots: Vec<Snapshot>,
+    /// Snapshots dropped once their downloads were done, as (round, bytes, until when): their
+    /// downloaders still catch up the rounds since from this replica for a while.
+    catching_up: Vec<(u64, usize, Duration)>,
+    /// Upload for state chunks, bytes per second (None: as fast as the link goes).
+    limit: Option<f64>,
+    /// Chunks granted and waiting for the upload limit: (to, snapshot hash, index).
+    paced: VecDeque<(PeerKey, u64, u32)>,
+    /// When the upload limit lets the next chunk go.
+    next_send: Duration,
 }
 
 impl StateExports {
@@ -37,29 +107,240 @@ impl StateExports {
             every,
             running: 0,
             waiting: VecDeque::new(),
+            first: BTreeMap::new(),
             served: BTreeMap::new(),
+            snapshots: Vec::new(),
+            catching_up: Vec::new(),
+            limit: None,
+            paced: VecDeque::new(),
+            next_send: Duration::ZERO,
         }
     }
 
-    /// `to` asks for the state. Served now if it may be, later if a round runs (`in_round`)
-    /// or enough exports run already, not at all if it was served lately or too many wait.
-    pub fn request(&mut self, out: &mut Outbox, to: PeerKey, in_round: bool, now: Duration) {
-        self.served
-            .retain(|_, at| now.saturating_sub(*at) < self.every);
-        if self.served.contains_key(&to) || self.waiting.contains(&to) {
+    /// Caps the upload state chunks take at `bytes_per_s` (a volunteer keeps its uplink for
+    /// training, or shares it with the rest of its home).
+    pub fn set_upload_limit(&mut self, bytes_per_s: Option<f64>) {
+        self.limit = bytes_per_s.filter(|b| *b > 0.0);
+    }
+
+    /// Sends the chunk a requester wants first (`first`: any number, taken round the
+    /// snapshot's chunks).
+    fn send_first(
+        &mut self,
+        out: &mut Outbox,
+        which: usize,
+        to: PeerKey,
+        first: u32,
+        now: Duration,
+    ) {
+        let index = first % chunk_count(self.snapshots[which].bytes.len() as u64);
+        self.send(out, which, to, index, now);
+    }
+
+    /// Sends chunk `index` of the snapshot `which` to `to` if its allowance lets it: now, or
+    /// when the upload limit does.
+    fn send(&mut self, out: &mut Outbox, which: usize, to: PeerKey, index: u32, now: Duration) {
+        let s = &mut self.snapshots[which];
+        if !s.grant(to, index, now) {
             return;
         }
-        if !in_round && self.running < MAX_RUNNING {
-            self.start(out, to, now);
-        } else if self.waiting.len() < MAX_WAITING {
-            self.waiting.push_back(to);
+        if self.limit.is_some() {
+            if self.paced.len() < MAX_PACED {
+                self.paced.push_back((to, s.hash, index));
+            }
+            self.pump(out, now);
+            return;
+        }
+        let at = s.at;
+        if let Some(c) = chunk(at.stage, at.step, at.round, s.hash, &s.bytes, index) {
+            out.send(to, Message::StateChunk(c));
         }
     }
 
-    fn start(&mut self, out: &mut Outbox, to: PeerKey, now: Duration) {
+    /// Sends the paced chunks the upload limit lets go by `now`.
+    pub fn pump(&mut self, out: &mut Outbox, now: Duration) {
+        let Some(limit) = self.limit else {
+            return;
+        };
+        while now >= self.next_send {
+            let Some((to, hash, index)) = self.paced.pop_front() else {
+                return;
+            };
+            // A snapshot dropped since takes its chunks with it.
+            let Some(s) = self.snapshots.iter().find(|s| s.hash == hash) else {
+                continue;
+            };
+            let at = s.at;
+            if let Some(c) = chunk(at.stage, at.step, at.round, s.hash, &s.bytes, index) {
+                let spent = Duration::from_secs_f64(c.data.len() as f64 / limit);
+                self.next_send = self.next_send.max(now) + spent;
+                out.send(to, Message::StateChunk(c));
+            }
+        }
+    }
+
+    /// When paced chunks are due next, if any wait.
+    pub fn next_timeout(&self) -> Option<Duration> {
+        (!self.paced.is_empty()).then_some(self.next_send)
+    }
+
+    /// `to` asks for the state (`first`: the chunk it wants first; `resume`: the version
+    /// it holds chunks of), which stands at `at`. A snapshot of version `resume` goes on if
+    /// held; else one of `at` serves if held; else an export: now if it may be, later if a
+    /// round runs (`in_round`) or enough exports run already, not at all if too many wait
+    /// or `to` was served lately and has not pulled that whole snapshot yet.
+    #[allow(clippy::too_many_arguments)]
+    pub fn request(
+        &mut self,
+        out: &mut Outbox,
+        to: PeerKey,
+        first: u32,
+        resume: Option<u64>,
+        at: At,
+        in_round: bool,
+        now: Duration,
+    ) {
+        self.served
+            .retain(|_, t| now.saturating_sub(*t) < self.every);
+        if let Some(which) = self.snapshots.iter().position(|s| Some(s.hash) == resume) {
+            // A downloader that lost its other sources, or gave this one up and found no
+            // better: its version goes on.
+            self.served.insert(to, now);
+            self.snapshots[which].sent.entry(to).or_insert(0);
+            self.send_first(out, which, to, first, now);
+            return;
+        }
+        // A requester that pulled a whole snapshot is done with it: asking again is a new
+        // download (a re-sync), not a flood.
+        let pulled = |s: &Snapshot| {
+            s.sent
+                .get(&to)
+                .is_some_and(|n| *n >= chunk_count(s.bytes.len() as u64))
+        };
+        if self.snapshots.iter().any(pulled) {
+            self.served.remove(&to);
+        }
+        if self.served.contains_key(&to) || self.waiting.iter().any(|w| w.0 == to) {
+            return;
+        }
+        if let Some(which) = self.snapshots.iter().position(|s| s.at == at) {
+            self.served.insert(to, now);
+            self.snapshots[which].sent.entry(to).or_insert(0);
+            self.send_first(out, which, to, first, now);
+        } else if !in_round && self.running < MAX_RUNNING {
+            self.start(out, to, first, now);
+        } else if self.waiting.len() < MAX_WAITING {
+            self.waiting.push_back((to, first));
+        }
+    }
+
+    fn start(&mut self, out: &mut Outbox, to: PeerKey, first: u32, now: Duration) {
         self.running += 1;
         self.served.insert(to, now);
+        self.first.insert(to, first);
         out.compute(Job::Export { to });
+    }
+
+    /// An export for `to` finished with `bytes` (the state at `at`): kept as a snapshot, and
+    /// the chunk `to` wants first is sent.
+    pub fn exported(
+        &mut self,
+        out: &mut Outbox,
+        to: PeerKey,
+        at: At,
+        bytes: Vec<u8>,
+        now: Duration,
+    ) {
+        if self.snapshots.len() >= MAX_SNAPSHOTS
+            && let Some(lru) = (0..self.snapshots.len()).min_by_key(|i| self.snapshots[*i].used)
+        {
+            self.snapshots.swap_remove(lru);
+        }
+        self.snapshots.push(Snapshot {
+            at,
+            hash: state_hash(&bytes),
+            bytes,
+            sent: BTreeMap::from([(to, 0)]),
+            released: BTreeSet::new(),
+            used: now,
+        });
+        let first = self.first.remove(&to).unwrap_or(0);
+        self.send_first(out, self.snapshots.len() - 1, to, first, now);
+    }
+
+    /// `from` asks for chunk `index` of the snapshot of `stage` hashing to `hash`: sent if
+    /// that snapshot is held for it. An error is the violation to report.
+    pub fn chunk_request(
+        &mut self,
+        out: &mut Outbox,
+        from: PeerKey,
+        stage: u32,
+        hash: u64,
+        index: u32,
+        now: Duration,
+    ) -> Result<(), &'static str> {
+        let Some(which) = self
+            .snapshots
+            .iter()
+            .position(|s| s.hash == hash && s.at.stage == stage)
+        else {
+            // Dropped since (its requester was too slow, or the peer moved on).
+            return Ok(());
+        };
+        if index >= chunk_count(self.snapshots[which].bytes.len() as u64) {
+            return Err("a state chunk past the state's end");
+        }
+        self.send(out, which, from, index, now);
+        Ok(())
+    }
+
+    /// `from` is done with the snapshot of `stage` hashing to `hash`. Once every peer it
+    /// served is, it is dropped; the rounds since it are kept a transfer timeout longer for
+    /// the downloaders' catch-ups.
+    pub fn release(&mut self, from: PeerKey, stage: u32, hash: u64, now: Duration) {
+        let Some(which) = self
+            .snapshots
+            .iter()
+            .position(|s| s.hash == hash && s.at.stage == stage)
+        else {
+            return;
+        };
+        let s = &mut self.snapshots[which];
+        if !s.sent.contains_key(&from) {
+            return;
+        }
+        s.released.insert(from);
+        if s.sent.keys().all(|k| s.released.contains(k)) {
+            let s = self.snapshots.swap_remove(which);
+            self.catching_up
+                .push((s.at.round, s.bytes.len(), now + self.every));
+        }
+    }
+
+    /// Drops the snapshots nobody asked anything of for the transfer timeout.
+    pub fn expire(&mut self, now: Duration) {
+        let every = self.every;
+        self.snapshots
+            .retain(|s| now.saturating_sub(s.used) < every);
+        self.catching_up.retain(|c| now < c.2);
+    }
+
+    /// What the round history must keep for the downloads under way: the rounds since the
+    /// oldest snapshot, up to the snapshots' size (a downloader a few rounds behind catches
+    /// up rather than downloading again).
+    pub fn history_needed(&self) -> Option<(u64, usize)> {
+        let held = self.snapshots.iter().map(|s| (s.at.round, s.bytes.len()));
+        let done = self.catching_up.iter().map(|c| (c.0, c.1));
+        let all: Vec<(u64, usize)> = held.chain(done).collect();
+        let since = all.iter().map(|a| a.0).min()?;
+        Some((since, all.iter().map(|a| a.1).max().unwrap_or(0)))
+    }
+
+    /// The stage's state is about to be replaced: its snapshots serve nobody.
+    pub fn forget_snapshots(&mut self) {
+        self.snapshots.clear();
+        self.catching_up.clear();
+        self.paced.clear();
     }
 
     /// An export finished (or failed); waiting requests go on if they may.
@@ -71,10 +352,10 @@ impl StateExports {
     /// Starts waiting exports while fewer than [`MAX_RUNNING`] run and no round is under way.
     pub fn resume(&mut self, out: &mut Outbox, in_round: bool, now: Duration) {
         while !in_round && self.running < MAX_RUNNING {
-            let Some(to) = self.waiting.pop_front() else {
+            let Some((to, first)) = self.waiting.pop_front() else {
                 return;
             };
-            self.start(out, to, now);
+            self.start(out, to, first, now);
         }
     }
 }
@@ -85,6 +366,29 @@ mod tests {
     use crate::swarm::fixtures::jobs;
 
     const S: Duration = Duration::from_secs(1);
+    const AT: At = At {
+        stage: 1,
+        step: 4,
+        round: 4,
+    };
+
+    /// The chunks sent, as (to, offset in chunks, step).
+    fn chunks(out: &mut Outbox) -> Vec<(u64, u64, u64)> {
+        out.drain()
+            .into_iter()
+            .filter_map(|a| match a {
+                crate::swarm::Action::Send {
+                    to,
+                    msg: Message::StateChunk(c),
+                } => Some((
+                    to.0,
+                    c.offset / crate::swarm::transfer::CHUNK_BYTES as u64,
+                    c.step,
+                )),
+                _ => None,
+            })
+            .collect()
+    }
 
     fn exports(out: &mut Outbox) -> Vec<u64> {
         jobs(out)
@@ -101,13 +405,13 @@ mod tests {
         let mut e = StateExports::new(30 * S);
         let mut out = Outbox::new(PeerKey(1));
         // Mid-round: wait.
-        e.request(&mut out, PeerKey(7), true, S);
+        e.request(&mut out, PeerKey(7), 0, None, AT, true, S);
         assert!(exports(&mut out).is_empty());
         e.resume(&mut out, false, 2 * S);
         assert_eq!(exports(&mut out), [7]);
         // A repeat while served lately is dropped; others run up to the cap, then wait.
         for k in [7, 8, 9, 10] {
-            e.request(&mut out, PeerKey(k), false, 3 * S);
+            e.request(&mut out, PeerKey(k), 0, None, AT, false, 3 * S);
         }
         assert_eq!(exports(&mut out), [8], "two run at once");
         e.done(&mut out, false, 4 * S);
@@ -117,15 +421,152 @@ mod tests {
         assert_eq!(exports(&mut out), [10]);
         // Served again once the transfer timeout has passed.
         e.done(&mut out, false, 6 * S);
-        e.request(&mut out, PeerKey(7), false, 20 * S);
+        e.request(&mut out, PeerKey(7), 0, None, AT, false, 20 * S);
         assert!(exports(&mut out).is_empty());
-        e.request(&mut out, PeerKey(7), false, 32 * S);
+        e.request(&mut out, PeerKey(7), 0, None, AT, false, 32 * S);
         assert_eq!(exports(&mut out), [7]);
         // The wait is bounded: a flood of fresh keys does not grow it.
         let mut e = StateExports::new(30 * S);
         for k in 0..10_000 {
-            e.request(&mut out, PeerKey(100 + k), true, S);
+            e.request(&mut out, PeerKey(100 + k), 0, None, AT, true, S);
         }
         assert_eq!(e.waiting.len(), MAX_WAITING);
+    }
+
+    #[test]
+    fn a_snapshot_serves_chunks_as_asked_within_an_allowance_until_unused() {
+        use crate::swarm::transfer::CHUNK_BYTES;
+        let mut e = StateExports::new(30 * S);
+        let mut out = Outbox::new(PeerKey(1));
+        e.request(&mut out, PeerKey(7), 2, None, AT, false, S);
+        assert_eq!(exports(&mut out), [7]);
+        let state = vec![5u8; 3 * CHUNK_BYTES];
+        let hash = state_hash(&state);
+        e.exported(&mut out, PeerKey(7), AT, state, 2 * S);
+        e.done(&mut out, false, 2 * S);
+        assert_eq!(chunks(&mut out), [(7, 2, 4)], "the chunk asked for first");
+        e.chunk_request(&mut out, PeerKey(7), 1, hash, 0, 3 * S)
+            .unwrap();
+        assert_eq!(chunks(&mut out), [(7, 0, 4)]);
+        // Past the end: a violation; another stage or version, or a peer it was not made
+        // for: nothing.
+        assert!(
+            e.chunk_request(&mut out, PeerKey(7), 1, hash, 3, 3 * S)
+                .is_err()
+        );
+        e.chunk_request(&mut out, PeerKey(7), 2, hash, 0, 3 * S)
+            .unwrap();
+        e.chunk_request(&mut out, PeerKey(7), 1, hash ^ 1, 0, 3 * S)
+            .unwrap();
+        e.chunk_request(&mut out, PeerKey(8), 1, hash, 0, 3 * S)
+            .unwrap();
+        assert!(chunks(&mut out).is_empty());
+        // A second joiner at the same step is served from the snapshot, no export.
+        e.request(&mut out, PeerKey(8), 1, None, AT, false, 3 * S);
+        assert!(exports(&mut out).is_empty());
+        assert_eq!(chunks(&mut out), [(8, 1, 4)]);
+        // Each requester gets at most twice the state, plus a window.
+        for _ in 0..100 {
+            e.chunk_request(&mut out, PeerKey(7), 1, hash, 1, 4 * S)
+                .unwrap();
+        }
+        assert_eq!(chunks(&mut out).len(), 2 * 3 + WINDOW - 2);
+        // Unused for the transfer timeout: dropped; a request then exports again.
+        e.expire(33 * S);
+        assert_eq!(e.snapshots.len(), 1);
+        e.expire(34 * S);
+        assert!(e.snapshots.is_empty());
+        e.request(&mut out, PeerKey(9), 0, None, AT, false, 35 * S);
+        assert_eq!(exports(&mut out), [9]);
+    }
+
+    #[test]
+    fn the_least_recently_used_snapshot_makes_room() {
+        let mut e = StateExports::new(30 * S);
+        let mut out = Outbox::new(PeerKey(1));
+        for (k, step) in [(7, 4), (8, 5), (9, 6)] {
+            let at = At {
+                step,
+                round: step,
+                ..AT
+            };
+            e.exported(&mut out, PeerKey(k), at, vec![k as u8; 10], S * k as u32);
+        }
+        let steps: Vec<u64> = e.snapshots.iter().map(|s| s.at.step).collect();
+        assert_eq!(steps.len(), MAX_SNAPSHOTS);
+        assert!(!steps.contains(&4));
+    }
+
+    #[test]
+    fn a_requester_that_asks_again_goes_on_with_its_snapshot() {
+        let mut e = StateExports::new(30 * S);
+        let mut out = Outbox::new(PeerKey(1));
+        e.request(&mut out, PeerKey(7), 0, None, AT, false, S);
+        e.exported(&mut out, PeerKey(7), AT, vec![1; 10], S);
+        e.done(&mut out, false, S);
+        exports(&mut out);
+        assert_eq!(chunks(&mut out), [(7, 0, 4)]);
+        // Served lately, but the version it holds goes on: no new export. The chunk asked
+        // first is taken round the state's chunks (one here).
+        let later = At { step: 9, ..AT };
+        e.request(
+            &mut out,
+            PeerKey(7),
+            5,
+            Some(state_hash(&[1; 10])),
+            later,
+            false,
+            2 * S,
+        );
+        assert!(exports(&mut out).is_empty());
+        assert_eq!(chunks(&mut out), [(7, 0, 4)]);
+        // It pulled the whole state: asking again without a version is a new download.
+        e.request(&mut out, PeerKey(7), 0, None, later, false, 3 * S);
+        assert_eq!(exports(&mut out), [7]);
+        assert_eq!(e.history_needed(), Some((4, 10)));
+    }
+
+    #[test]
+    fn an_upload_limit_spaces_chunks_out() {
+        use crate::swarm::transfer::CHUNK_BYTES;
+        let mut e = StateExports::new(30 * S);
+        e.set_upload_limit(Some(CHUNK_BYTES as f64)); // a chunk a second
+        let mut out = Outbox::new(PeerKey(1));
+        let state = vec![5u8; 3 * CHUNK_BYTES];
+        let hash = state_hash(&state);
+        e.request(&mut out, PeerKey(7), 0, None, AT, false, S);
+        e.exported(&mut out, PeerKey(7), AT, state, S);
+        for i in 1..3 {
+            e.chunk_request(&mut out, PeerKey(7), 1, hash, i, S)
+                .unwrap();
+        }
+        assert_eq!(chunks(&mut out).len(), 1, "one now");
+        assert_eq!(e.next_timeout(), Some(2 * S));
+        e.pump(&mut out, 2 * S - Duration::from_millis(1));
+        assert!(chunks(&mut out).is_empty());
+        e.pump(&mut out, 2 * S);
+        assert_eq!(chunks(&mut out), [(7, 1, 4)]);
+        e.pump(&mut out, 3 * S);
+        assert_eq!(chunks(&mut out), [(7, 2, 4)]);
+        assert_eq!(e.next_timeout(), None);
+    }
+
+    #[test]
+    fn a_snapshot_released_by_its_downloaders_is_dropped_but_its_rounds_are_kept_a_while() {
+        let mut e = StateExports::new(30 * S);
+        let mut out = Outbox::new(PeerKey(1));
+        e.exported(&mut out, PeerKey(7), AT, vec![1; 10], S);
+        e.request(&mut out, PeerKey(8), 0, None, AT, false, S);
+        let hash = state_hash(&[1; 10]);
+        // A stranger's release, or another version's, changes nothing.
+        e.release(PeerKey(9), 1, hash, S);
+        e.release(PeerKey(7), 1, hash ^ 1, S);
+        e.release(PeerKey(7), 1, hash, S);
+        assert_eq!(e.snapshots.len(), 1, "8 still downloads");
+        e.release(PeerKey(8), 1, hash, 2 * S);
+        assert!(e.snapshots.is_empty());
+        assert_eq!(e.history_needed(), Some((4, 10)));
+        e.expire(32 * S);
+        assert_eq!(e.history_needed(), None);
     }
 }

@@ -304,6 +304,10 @@ pub struct PeerStats {
     pub rounds_degraded: u64,
     /// State downloads completed (joins and re-syncs).
     pub state_transfers: u64,
+    /// Bytes of state received (duplicates and abandoned versions included).
+    pub state_bytes_received: u64,
+    /// State downloads that started over because no source of their version was left.
+    pub state_restarts: u64,
     /// Stage moves.
     pub moves: u64,
     /// Messages dropped as protocol violations (see [`Event::Violation`]).

@@ -362,13 +362,36 @@ pub enum Message {
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
-    /// A joiner asks for a stage's state.
+    /// A joiner asks for a stage's state: an export to pull chunks of.
     StateRequest {
         /// The stage.
         stage: u32,
+        /// The chunk to send first (a joiner asking several replicas at once asks each
+        /// for a different one).
+        first: u32,
+        /// The hash of the state version the joiner holds chunks of, if any: a replica
+        /// that still has it goes on with it rather than export another.
+        resume: Option<u64>,
+    },
+    /// A joiner asks for one chunk of a state it was sent a chunk of.
+    ChunkRequest {
+        /// The stage.
+        stage: u32,
+        /// The state's hash, as its chunks gave it.
+        hash: u64,
+        /// Which chunk.
+        index: u32,
     },
     /// One chunk of a stage's state.
     StateChunk(StateChunk),
+    /// A joiner is done with a replica's snapshot of its stage's state (its download
+    /// completed, or another replica's version served it): the replica may drop it.
+    StateRelease {
+        /// The stage.
+        stage: u32,
+        /// The snapshot's hash.
+        hash: u64,
+    },
 }
 
 /// One piece of a stage's state in transfer.
@@ -411,7 +434,10 @@ impl Message {
             Message::Forward(_) => Traffic::Activations,
             Message::Backward(_) => Traffic::ActivationGrads,
             Message::Round { .. } | Message::CatchUp { .. } => Traffic::Averaging,
-            Message::StateChunk(_) | Message::StateRequest { .. } => Traffic::State,
+            Message::StateChunk(_)
+            | Message::StateRequest { .. }
+            | Message::ChunkRequest { .. }
+            | Message::StateRelease { .. } => Traffic::State,
             _ => Traffic::Control,
         }
     }

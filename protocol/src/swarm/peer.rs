@@ -16,6 +16,7 @@ use super::bans::{self, Ban, Bans};
 use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
 use super::coordinator::{Settings, StepCoordinator};
 use super::driver::Driver;
+use super::exports::At;
 use super::exports::StateExports;
 pub use super::interface::{Action, ComputeDone, Event, Input, Job, Output, PeerStats, Resume};
 use super::links::Links;
@@ -27,7 +28,7 @@ use super::role::{self, ChunkOutcome, Phase, Role};
 use super::scheduler::Running;
 use super::server::StageServer;
 use super::service::Service;
-use super::transfer::chunks;
+use super::transfer::MAX_SOURCES;
 use super::{PeerKey, SeededRng};
 use std::time::Duration;
 
@@ -123,7 +124,7 @@ impl Peer {
             // it takes a step or starts a round, so that it hears its stage (and catches up)
             // rather than training alone at its checkpoint's round.
             let listen = timing.choose_after.max(timing.announce_every);
-            peer.steps.start_serving(Some(r.hash), now + listen);
+            peer.steps.start_serving(Some(r.hash), None, now + listen);
             peer.out.event(Event::Serving {
                 stage: r.stage,
                 step: r.step,
@@ -142,6 +143,11 @@ impl Peer {
     /// only asked to move to, stages that fit.
     pub fn set_memory(&mut self, bytes: u64) {
         self.memory = bytes;
+    }
+
+    /// Caps the upload this peer's state exports take, bytes per second (None: no cap).
+    pub fn set_state_upload_limit(&mut self, bytes_per_s: Option<f64>) {
+        self.exports.set_upload_limit(bytes_per_s);
     }
 
     /// Takes `stage` first instead of the stage the run needs most (if its memory holds it):
@@ -180,6 +186,11 @@ impl Peer {
     /// The stage served (or being synced).
     pub fn stage(&self) -> Option<u32> {
         self.role.stage()
+    }
+
+    /// While a state is downloaded: bytes of it held, and its size (0 until a chunk said).
+    pub fn download_progress(&self) -> Option<(u64, u64)> {
+        self.role.download_progress()
     }
 
     /// Whether the stage is being served now.
@@ -228,6 +239,8 @@ impl Peer {
             rounds: steps.rounds,
             rounds_degraded: steps.rounds_degraded,
             state_transfers: self.role.state_transfers,
+            state_bytes_received: self.role.state_bytes_received,
+            state_restarts: self.role.state_restarts,
             moves: self.role.moves,
             violations: self.out.violations,
         }
@@ -283,6 +296,7 @@ impl Peer {
             self.driver.next_timeout(),
             self.server.next_timeout(),
             self.steps.next_timeout(),
+            self.exports.next_timeout(),
         ]
         .into_iter()
         .flatten()
@@ -428,12 +442,34 @@ impl Peer {
                     self.steps.on_round(out, &self.members, from, key, msg, now);
                 }
             }
-            Message::StateRequest { stage } => {
+            Message::StateRequest {
+                stage,
+                first,
+                resume,
+            } => {
                 // A joiner's request may overtake its announcement: anyone may ask, and
                 // exports are few at a time and one per requester (see `StateExports`).
                 if self.role.serving() == Some(stage) {
                     let in_round = self.steps.in_round();
-                    self.exports.request(out, from, in_round, now);
+                    let at = At {
+                        stage,
+                        step: self.steps.step(),
+                        round: self.steps.round(),
+                    };
+                    self.exports
+                        .request(out, from, first, resume, at, in_round, now);
+                }
+            }
+            Message::StateRelease { stage, hash } => {
+                self.exports.release(from, stage, hash, now);
+                self.steps.keep_history_since(self.exports.history_needed());
+            }
+            Message::ChunkRequest { stage, hash, index } => {
+                if let Err(what) = self
+                    .exports
+                    .chunk_request(out, from, stage, hash, index, now)
+                {
+                    out.violation(from, what);
                 }
             }
             Message::StateChunk(c) => self.on_chunk(from, c, now),
@@ -514,7 +550,8 @@ impl Peer {
         self.steps.forget(peer, now);
         self.driver.fail_hop(peer, now);
         self.server.reject_routed_through(&mut self.out, peer);
-        self.role.source_lost(peer, now);
+        self.role
+            .source_lost(peer, now, self.timing.transfer_timeout);
     }
 
     /// Time passed.
@@ -522,6 +559,9 @@ impl Peer {
         for gone in self.members.expire(now, self.timing.member_timeout) {
             self.peer_gone(gone, now);
         }
+        self.exports.expire(now);
+        self.exports.pump(&mut self.out, now);
+        self.steps.keep_history_since(self.exports.history_needed());
         if now >= self.next_announce {
             self.announce();
             self.out.jobs.measure();
@@ -529,11 +569,7 @@ impl Peer {
         }
         match self.role.phase() {
             Phase::Choosing { until } if now >= until => self.choose(now),
-            Phase::Syncing { deadline, .. } if now >= deadline => {
-                if let Some(stage) = self.role.stage() {
-                    self.sync_from_someone(stage, None, now);
-                }
-            }
+            Phase::Syncing { deadline, .. } if now >= deadline => self.sync_overdue(now),
             _ => {}
         }
         if self.is_driver() {
@@ -593,10 +629,9 @@ impl Peer {
             ComputeDone::Stepped { hash } => self.on_stepped(hash, now),
             ComputeDone::State { to, bytes } => {
                 if let Some(stage) = self.role.stage() {
-                    let (step, round) = (self.steps.step(), self.steps.round());
-                    for c in chunks(stage, step, round, &bytes) {
-                        self.out.send(to, Message::StateChunk(c));
-                    }
+                    let at = self.state_at(stage);
+                    self.exports.exported(&mut self.out, to, at, bytes, now);
+                    self.steps.keep_history_since(self.exports.history_needed());
                 }
                 let in_round = self.steps.in_round();
                 self.exports.done(&mut self.out, in_round, now);
@@ -736,35 +771,96 @@ impl Peer {
         }
     }
 
-    /// Starts downloading `stage`'s state from one of its replicas picked at random (other
-    /// than `avoid`, whose state was refused, and those asked so lately that they would not
-    /// answer, where there are others), or builds it fresh if it has none.
+    /// Starts downloading `stage`'s state from up to [`MAX_SOURCES`] of its replicas (see
+    /// [`Self::pick_sources`]; `avoid`: one whose state was refused), or builds it fresh if
+    /// it has none.
     fn sync_from_someone(&mut self, stage: u32, avoid: Option<PeerKey>, now: Duration) {
+        let sources = self.pick_sources(stage, avoid, now);
+        if self.role.stage().is_some_and(|s| s != stage) {
+            self.bans.left_stage();
+        }
+        self.start_sync(stage, &sources, now);
+        if sources.is_empty() {
+            self.steps.set_position(0, 0, false);
+            self.out.compute(Job::Init { stage });
+        }
+        self.announce();
+    }
+
+    /// Drops the stage's work in progress and starts getting its state from `sources`.
+    fn start_sync(&mut self, stage: u32, sources: &[PeerKey], now: Duration) {
+        self.abandon_stage_work();
+        self.steps.set_elders(self.members.replicas(stage));
+        let max_bytes = self.costs.max_state_bytes(stage as usize);
+        let timeout = self.timing.transfer_timeout;
+        for (k, m) in self.role.sync(stage, sources, max_bytes, now, timeout) {
+            self.out.send(k, m);
+        }
+    }
+
+    /// Up to [`MAX_SOURCES`] of `stage`'s vouched replicas picked at random, not already
+    /// sources: other than `avoid` and those asked so lately that they would not answer,
+    /// where there are others.
+    fn pick_sources(&mut self, stage: u32, avoid: Option<PeerKey>, now: Duration) -> Vec<PeerKey> {
         let mut replicas = self.members.vouched_replicas(stage);
+        replicas.retain(|k| !self.role.is_source(*k));
         if replicas.len() > 1 {
             replicas.retain(|k| Some(*k) != avoid);
         }
         if replicas.iter().any(|k| !self.role.asked_lately(*k, now)) {
             replicas.retain(|k| !self.role.asked_lately(*k, now));
         }
-        let source = (!replicas.is_empty())
-            .then(|| replicas[(self.rng.next_u64() % replicas.len() as u64) as usize]);
-        if self.role.stage().is_some_and(|s| s != stage) {
-            self.bans.left_stage();
+        let mut picked = Vec::new();
+        while picked.len() < MAX_SOURCES && !replicas.is_empty() {
+            let i = (self.rng.next_u64() % replicas.len() as u64) as usize;
+            picked.push(replicas.swap_remove(i));
         }
-        self.abandon_stage_work();
-        self.steps.set_elders(self.members.replicas(stage));
-        let max_bytes = self.costs.max_state_bytes(stage as usize);
+        picked
+    }
+
+    /// A sync's deadline passed: a download gives up the sources that made no progress and
+    /// asks others if none is left; building a state that took too long starts again.
+    fn sync_overdue(&mut self, now: Duration) {
+        let Some(stage) = self.role.stage() else {
+            return;
+        };
+        if !self.role.downloading() {
+            self.sync_from_someone(stage, None, now);
+            return;
+        }
         let timeout = self.timing.transfer_timeout;
-        self.role.sync(stage, source, max_bytes, now, timeout);
-        match source {
-            Some(source) => self.out.send(source, Message::StateRequest { stage }),
-            None => {
-                self.steps.set_position(0, 0, false);
-                self.out.compute(Job::Init { stage });
-            }
+        for k in self.role.expire_sources(now, timeout) {
+            self.out.event(Event::Warning(format!(
+                "state source {k} sent nothing for {timeout:?}: asking others"
+            )));
         }
-        self.announce();
+        self.request_chunks();
+        self.more_sources(stage, now);
+    }
+
+    /// Asks more replicas for the state if no source of the download is left (keeping the
+    /// chunks held: a replica at the same step sends the same bytes); starts over if there
+    /// is none to ask. Otherwise asks the sources for the chunks due.
+    fn more_sources(&mut self, stage: u32, now: Duration) {
+        if self.role.live_sources() > 0 {
+            self.request_chunks();
+            return;
+        }
+        let sources = self.pick_sources(stage, None, now);
+        if sources.is_empty() || sources.iter().all(|k| self.role.asked_lately(*k, now)) {
+            self.sync_from_someone(stage, None, now);
+            return;
+        }
+        let timeout = self.timing.transfer_timeout;
+        for (k, m) in self.role.add_sources(&sources, now, timeout) {
+            self.out.send(k, m);
+        }
+    }
+
+    fn request_chunks(&mut self) {
+        for (k, m) in self.role.download_messages() {
+            self.out.send(k, m);
+        }
     }
 
     fn resync(&mut self, r: Resync, now: Duration) {
@@ -781,12 +877,8 @@ impl Peer {
             self.sync_from_someone(stage, Some(r.from), now);
             return;
         }
-        self.abandon_stage_work();
-        self.steps.set_elders(self.members.replicas(stage));
-        let max_bytes = self.costs.max_state_bytes(stage as usize);
-        let timeout = self.timing.transfer_timeout;
-        self.role.sync(stage, Some(r.from), max_bytes, now, timeout);
-        self.out.send(r.from, Message::StateRequest { stage });
+        // From the replica the vote found right, alone.
+        self.start_sync(stage, &[r.from], now);
     }
 
     /// Drops everything in flight at this stage (it is about to be replaced): other drivers
@@ -797,6 +889,7 @@ impl Peer {
         self.steps.abandon(&mut self.out);
         self.out.jobs.forget_throughput();
         self.driver.abandon();
+        self.exports.forget_snapshots();
         // A new state may come with a new stage, whose next stage's replicas the old times
         // say nothing about (a re-sync at the same stage starts afresh too).
         self.service = Service::default();
@@ -806,8 +899,9 @@ impl Peer {
 
     fn on_chunk(&mut self, from: PeerKey, chunk: StateChunk, now: Duration) {
         match self.role.on_chunk(from, chunk, &self.timing, now) {
-            ChunkOutcome::Pending => {}
+            ChunkOutcome::Pending => self.request_chunks(),
             ChunkOutcome::Complete(done) => {
+                self.request_chunks();
                 self.steps.set_position(done.step, done.round, true);
                 if let Some(stage) = self.role.stage() {
                     self.out.compute(Job::Import {
@@ -816,15 +910,26 @@ impl Peer {
                     });
                 }
             }
-            ChunkOutcome::Failed(e) => {
+            ChunkOutcome::Failed(e, culprits) => {
                 self.out.event(Event::Warning(format!(
-                    "state transfer from {from} failed: {e}"
+                    "state transfer from {culprits:?} failed: {e}"
                 )));
-                self.members.remove(from);
+                for k in culprits {
+                    self.members.remove(k);
+                }
                 if let Some(stage) = self.role.stage() {
-                    self.sync_from_someone(stage, None, now);
+                    self.more_sources(stage, now);
                 }
             }
+        }
+    }
+
+    /// Where this replica's state stands, for the exports of `stage`.
+    fn state_at(&self, stage: u32) -> At {
+        At {
+            stage,
+            step: self.steps.step(),
+            round: self.steps.round(),
         }
     }
 
@@ -850,7 +955,7 @@ impl Peer {
             return;
         }
         self.steps
-            .start_serving(hash, now + self.timing.announce_every);
+            .start_serving(hash, source, now + self.timing.announce_every);
         self.release_held_forwards(now);
         self.out.event(Event::Serving {
             stage,

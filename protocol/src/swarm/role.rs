@@ -9,9 +9,9 @@
 
 use super::config::{StageCosts, Timing};
 use super::membership::Membership;
-use super::message::{MemberState, StateChunk};
+use super::message::{MemberState, Message, StateChunk};
 use super::placement::{Move, Placement, choose_stage, fits, plan_move};
-use super::transfer::{Download, Downloaded, TransferError};
+use super::transfer::{Added, Download, Downloaded, TransferError};
 use super::{PeerKey, SeededRng};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -42,8 +42,8 @@ pub(super) enum ChunkOutcome {
     Pending,
     /// The whole state arrived and checked out.
     Complete(Downloaded),
-    /// The transfer failed; the source is not to be trusted with it.
-    Failed(TransferError),
+    /// A source failed the transfer; the peers named are not to be trusted with it.
+    Failed(TransferError, Vec<PeerKey>),
 }
 
 /// A peer's role.
@@ -54,6 +54,8 @@ pub(super) struct Role {
     /// The stage to take first, if the operator chose one.
     first_choice: Option<u32>,
     download: Option<Download>,
+    /// Releases of a download that completed, not sent yet.
+    released: Vec<(PeerKey, Message)>,
     /// Replicas asked for a state lately, until when they will not serve this peer again (a
     /// replica exports to each requester once per transfer timeout; a second request sooner
     /// is ignored, and the download would wait for its deadline).
@@ -64,6 +66,10 @@ pub(super) struct Role {
     move_at: Option<Duration>,
     /// State downloads completed (joins and re-syncs).
     pub state_transfers: u64,
+    /// Bytes of state received, duplicates and chunks of abandoned versions included.
+    pub state_bytes_received: u64,
+    /// Downloads that started over with another version (no source of theirs was left).
+    pub state_restarts: u64,
     /// Stage moves made.
     pub moves: u64,
 }
@@ -78,10 +84,13 @@ impl Role {
             stage: None,
             first_choice: None,
             download: None,
+            released: Vec::new(),
             asked: BTreeMap::new(),
             next_rebalance: now + timing.rebalance_every,
             move_at: None,
             state_transfers: 0,
+            state_bytes_received: 0,
+            state_restarts: 0,
             moves: 0,
         }
     }
@@ -147,25 +156,119 @@ impl Role {
         self.phase = Phase::Choosing { until: now + wait };
     }
 
-    /// Starts getting `stage`'s state: from `source` (a download of at most `max_bytes`), or
-    /// fresh from the run's seed; either must be done within `timeout`, which is also when
-    /// `source` serves this peer again.
+    /// Starts getting `stage`'s state: pulled from `sources` (a download of at most
+    /// `max_bytes`, see [`Download`]), or fresh from the run's seed if there are none.
+    /// Returns the requests to send.
+    /// Deadlines follow progress: a source that sends nothing for `timeout` is given up
+    /// (and will serve this peer again only after that long); building the state must take
+    /// no longer either.
     pub fn sync(
         &mut self,
         stage: u32,
-        source: Option<PeerKey>,
+        sources: &[PeerKey],
         max_bytes: usize,
         now: Duration,
         timeout: Duration,
-    ) {
-        let deadline = now + timeout;
+    ) -> Vec<(PeerKey, Message)> {
         self.asked.retain(|_, until| now < *until);
-        if let Some(source) = source {
-            self.asked.insert(source, deadline);
-        }
         self.stage = Some(stage);
-        self.phase = Phase::Syncing { source, deadline };
-        self.download = source.map(|_| Download::new(stage, max_bytes));
+        self.phase = Phase::Syncing {
+            source: None,
+            deadline: now + timeout,
+        };
+        self.download = (!sources.is_empty()).then(|| Download::new(stage, max_bytes));
+        self.add_sources(sources, now, timeout)
+    }
+
+    /// Asks `sources` too, each for the chunk this peer wants next. Returns the requests.
+    pub fn add_sources(
+        &mut self,
+        sources: &[PeerKey],
+        now: Duration,
+        timeout: Duration,
+    ) -> Vec<(PeerKey, Message)> {
+        let (Some(stage), Some(d)) = (self.stage, self.download.as_mut()) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let resume = d.hash();
+        for (nth, k) in sources.iter().enumerate() {
+            self.asked.insert(*k, now + timeout);
+            let first = d.first_wanted(nth);
+            d.ask(*k, now);
+            out.push((
+                *k,
+                Message::StateRequest {
+                    stage,
+                    first,
+                    resume,
+                },
+            ));
+        }
+        self.set_deadline(now, timeout);
+        out
+    }
+
+    /// Whether a download is under way (as opposed to building a state got or made).
+    pub fn downloading(&self) -> bool {
+        self.download.is_some()
+    }
+
+    /// Sources that may still send the version being downloaded.
+    pub fn live_sources(&self) -> usize {
+        self.download.as_ref().map_or(0, Download::live_sources)
+    }
+
+    /// Whether `peer` is a source of the download in progress.
+    pub fn is_source(&self, peer: PeerKey) -> bool {
+        self.download.as_ref().is_some_and(|d| d.is_source(peer))
+    }
+
+    /// Bytes of the state held and its size, while downloading.
+    pub fn download_progress(&self) -> Option<(u64, u64)> {
+        self.download.as_ref().map(Download::progress)
+    }
+
+    /// The next deadline: the first source's to make progress by, or now if none is left
+    /// (another is to be asked at once).
+    fn set_deadline(&mut self, now: Duration, timeout: Duration) {
+        let next = match &self.download {
+            Some(d) if d.live_sources() > 0 => d.next_deadline(timeout).unwrap_or(now),
+            Some(_) => now,
+            None => return,
+        };
+        if let Phase::Syncing { deadline, .. } = &mut self.phase {
+            *deadline = next;
+        }
+    }
+
+    /// Gives up the sources that made no progress for `timeout`; returns them.
+    pub fn expire_sources(&mut self, now: Duration, timeout: Duration) -> Vec<PeerKey> {
+        let stalled = self
+            .download
+            .as_mut()
+            .map(|d| d.expire(now, timeout))
+            .unwrap_or_default();
+        self.set_deadline(now, timeout);
+        stalled
+    }
+
+    /// What the download has to send now: chunk requests (see [`Download::requests`]), and
+    /// releases to the sources it let go.
+    pub fn download_messages(&mut self) -> Vec<(PeerKey, Message)> {
+        let mut out = std::mem::take(&mut self.released);
+        let (Some(stage), Some(d)) = (self.stage, self.download.as_mut()) else {
+            return out;
+        };
+        out.extend(release(stage, d));
+        if let Some(hash) = d.hash() {
+            out.extend(
+                d.requests()
+                    .into_iter()
+                    .map(|(k, index)| (k, Message::ChunkRequest { stage, hash, index })),
+            );
+        }
+        out
     }
 
     /// Whether `peer` was asked for a state so lately that it would not answer again now.
@@ -173,17 +276,18 @@ impl Role {
         self.asked.get(&peer).is_some_and(|until| now < *until)
     }
 
-    /// A peer is gone: if it was the source of the download, try another one now.
-    pub fn source_lost(&mut self, peer: PeerKey, now: Duration) {
-        if let Phase::Syncing { source, deadline } = &mut self.phase {
-            if *source == Some(peer) {
-                *source = None;
-                *deadline = now;
-            }
+    /// A peer is gone: the download goes on from the other sources, or another is asked at
+    /// once if none is left.
+    pub fn source_lost(&mut self, peer: PeerKey, now: Duration, timeout: Duration) {
+        if let Some(d) = self.download.as_mut()
+            && d.is_source(peer)
+        {
+            d.lose(peer);
+            self.set_deadline(now, timeout);
         }
     }
 
-    /// A chunk of state from `from`: only the source of the download in progress is heard.
+    /// A chunk of state from `from`: only sources of the download in progress are heard.
     /// Once complete, the state is built (the deadline starts again for that).
     pub fn on_chunk(
         &mut self,
@@ -192,32 +296,32 @@ impl Role {
         timing: &Timing,
         now: Duration,
     ) -> ChunkOutcome {
-        let Phase::Syncing {
-            source: Some(source),
-            ..
-        } = self.phase
-        else {
-            return ChunkOutcome::Pending;
-        };
-        if from != source {
-            return ChunkOutcome::Pending;
-        }
         let Some(d) = self.download.as_mut() else {
             return ChunkOutcome::Pending;
         };
-        match d.add(chunk) {
-            Ok(None) => ChunkOutcome::Pending,
-            Ok(Some(done)) => {
+        let (bytes, restarts) = (d.bytes_received, d.restarts);
+        let added = d.add(from, chunk, now);
+        self.state_bytes_received += d.bytes_received - bytes;
+        self.state_restarts += d.restarts - restarts;
+        let outcome = match added {
+            Added::Pending => ChunkOutcome::Pending,
+            Added::Complete(done) => {
+                if let (Some(stage), Some(d)) = (self.stage, self.download.as_mut()) {
+                    self.released = release(stage, d);
+                }
                 self.download = None;
                 self.state_transfers += 1;
                 self.phase = Phase::Syncing {
-                    source: Some(source),
+                    source: Some(done.source),
                     deadline: now + timing.transfer_timeout,
                 };
-                ChunkOutcome::Complete(done)
+                return ChunkOutcome::Complete(done);
             }
-            Err(e) => ChunkOutcome::Failed(e),
-        }
+            Added::Refused(e) => ChunkOutcome::Failed(e, vec![from]),
+            Added::Corrupt(suspects) => ChunkOutcome::Failed(TransferError::Hash, suspects),
+        };
+        self.set_deadline(now, timing.transfer_timeout);
+        outcome
     }
 
     /// The stage's state is built: serving it. Returns the stage and where its state came
@@ -386,12 +490,20 @@ pub(super) fn choose(
     None
 }
 
+/// The releases `d` owes the sources it let go.
+fn release(stage: u32, d: &mut Download) -> Vec<(PeerKey, Message)> {
+    d.take_released()
+        .into_iter()
+        .map(|(k, hash)| (k, Message::StateRelease { stage, hash }))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::swarm::fixtures::serving;
     use crate::swarm::message::Announcement;
-    use crate::swarm::transfer::chunks;
+    use crate::swarm::transfer::{CHUNK_BYTES, chunk, state_hash};
 
     const MS: Duration = Duration::from_millis(1);
     const ME: PeerKey = PeerKey(5);
@@ -492,19 +604,30 @@ mod tests {
     fn a_replica_asked_for_a_state_is_known_not_to_answer_again_until_the_timeout() {
         let t = timing();
         let mut r = Role::joining(&t, Duration::ZERO);
-        r.sync(
+        let asks = r.sync(
             1,
-            Some(PeerKey(9)),
+            &[PeerKey(9)],
             1 << 20,
             Duration::ZERO,
             t.transfer_timeout,
+        );
+        assert_eq!(
+            asks,
+            [(
+                PeerKey(9),
+                Message::StateRequest {
+                    stage: 1,
+                    first: 0,
+                    resume: None
+                }
+            )]
         );
         assert!(r.asked_lately(PeerKey(9), t.transfer_timeout - MS));
         assert!(!r.asked_lately(PeerKey(8), MS));
         assert!(!r.asked_lately(PeerKey(9), t.transfer_timeout));
         r.sync(
             1,
-            Some(PeerKey(8)),
+            &[PeerKey(8)],
             1 << 20,
             t.transfer_timeout,
             t.transfer_timeout,
@@ -513,47 +636,98 @@ mod tests {
     }
 
     #[test]
-    fn a_download_is_heard_from_its_source_only_and_then_served() {
+    fn a_download_is_heard_from_its_sources_only_and_then_served() {
         let t = timing();
         let mut r = Role::joining(&t, Duration::ZERO);
         assert_eq!(r.next_timeout(), Some(100 * MS));
-        r.sync(
+        let asks = r.sync(
             1,
-            Some(PeerKey(9)),
-            1 << 20,
+            &[PeerKey(9), PeerKey(7)],
+            1 << 24,
             Duration::ZERO,
             t.transfer_timeout,
         );
-        assert_eq!(r.announced(), (Some(1), MemberState::Syncing));
-        let state = vec![7u8; 100];
-        let chunk = chunks(1, 4, 4, &state).remove(0);
+        let firsts: Vec<Message> = asks.into_iter().map(|a| a.1).collect();
         assert_eq!(
-            r.on_chunk(PeerKey(8), chunk.clone(), &t, MS),
+            firsts,
+            [
+                Message::StateRequest {
+                    stage: 1,
+                    first: 0,
+                    resume: None
+                },
+                Message::StateRequest {
+                    stage: 1,
+                    first: 1,
+                    resume: None
+                }
+            ],
+            "each source starts with another chunk"
+        );
+        assert_eq!(r.announced(), (Some(1), MemberState::Syncing));
+        let state = vec![7u8; CHUNK_BYTES + 100];
+        let hash = state_hash(&state);
+        let cut = |i| chunk(1, 4, 4, hash, &state, i).unwrap();
+        assert_eq!(
+            r.on_chunk(PeerKey(8), cut(0), &t, MS),
             ChunkOutcome::Pending
         );
-        let ChunkOutcome::Complete(done) = r.on_chunk(PeerKey(9), chunk, &t, MS) else {
+        assert_eq!(
+            r.on_chunk(PeerKey(9), cut(0), &t, MS),
+            ChunkOutcome::Pending
+        );
+        assert_eq!(
+            r.download_progress(),
+            Some((CHUNK_BYTES as u64, state.len() as u64))
+        );
+        assert_eq!(
+            r.download_messages(),
+            [(
+                PeerKey(9),
+                Message::ChunkRequest {
+                    stage: 1,
+                    hash,
+                    index: 1
+                }
+            )]
+        );
+        // 7 never answers: given up at its deadline, 9 goes on.
+        assert_eq!(r.next_timeout(), Some(t.transfer_timeout));
+        assert_eq!(
+            r.expire_sources(t.transfer_timeout, t.transfer_timeout),
+            [PeerKey(7)]
+        );
+        assert_eq!(r.live_sources(), 1);
+        let ChunkOutcome::Complete(done) = r.on_chunk(PeerKey(9), cut(1), &t, 3 * MS) else {
             panic!("complete");
         };
-        assert_eq!((done.step, done.bytes.len()), (4, 100));
-        assert_eq!(r.next_timeout(), Some(MS + t.transfer_timeout));
+        assert_eq!((done.step, done.bytes.len()), (4, state.len()));
+        assert_eq!(r.next_timeout(), Some(3 * MS + t.transfer_timeout));
         assert_eq!(r.serve(), Some((1, Some(PeerKey(9)))));
         assert_eq!(r.serving(), Some(1));
         assert_eq!(r.state_transfers, 1);
-        // A chunk of the wrong stage fails the transfer.
+        assert_eq!(
+            r.state_bytes_received,
+            state.len() as u64,
+            "a stranger's chunk is not counted"
+        );
+        // A chunk of the wrong stage fails the transfer, and blames its sender.
         r.sync(
             0,
-            Some(PeerKey(9)),
-            1 << 20,
+            &[PeerKey(9)],
+            1 << 24,
             Duration::ZERO,
             t.transfer_timeout,
         );
-        let wrong = chunks(1, 4, 4, &state).remove(0);
-        assert!(matches!(
-            r.on_chunk(PeerKey(9), wrong, &t, MS),
-            ChunkOutcome::Failed(_)
-        ));
-        // A lost source: try another one at once.
-        r.source_lost(PeerKey(9), 3 * MS);
+        assert_eq!(
+            r.on_chunk(PeerKey(9), cut(0), &t, MS),
+            ChunkOutcome::Failed(TransferError::Mismatch, vec![PeerKey(9)])
+        );
+        // No source left: another is to be asked at once.
+        assert_eq!(r.next_timeout(), Some(MS));
+        r.add_sources(&[PeerKey(6)], 2 * MS, t.transfer_timeout);
+        assert_eq!(r.next_timeout(), Some(2 * MS + t.transfer_timeout));
+        r.source_lost(PeerKey(6), 3 * MS, t.transfer_timeout);
         assert_eq!(r.next_timeout(), Some(3 * MS));
     }
 

@@ -329,7 +329,20 @@ impl Exercise {
                 samples: (b.u8() as f64) / 2.0,
                 data: tensor(&vec![0.5; PARAMS.min(n * 2)], poison),
             },
-            9 => Message::StateRequest { stage },
+            9 if b.u8().is_multiple_of(2) => Message::StateRequest {
+                stage,
+                first: [0, 1, u32::MAX][b.u8() as usize % 3],
+                resume: [None, Some(b.u64())][b.u8() as usize % 2],
+            },
+            9 if b.u8().is_multiple_of(3) => Message::StateRelease {
+                stage,
+                hash: b.u64(),
+            },
+            9 => Message::ChunkRequest {
+                stage,
+                hash: b.u64(),
+                index: [0, 1, u32::MAX][b.u8() as usize % 3],
+            },
             10 => {
                 let total = [0, 4, (PARAMS * 8) as u64, u64::MAX][b.u8() as usize % 4];
                 Message::StateChunk(StateChunk {

@@ -68,6 +68,14 @@ impl StepCoordinator {
         ahead.peek().is_some() && ahead.all(|(k, _)| !vouched(*k))
     }
 
+    /// The replica this one's state came from, with the rounds it completed, while it
+    /// serves `stage`.
+    fn source_serving(&self, stage: u32, members: &Membership) -> Option<(PeerKey, u64)> {
+        let source = self.state_source?;
+        let m = members.get(source).filter(|m| m.serves(stage))?;
+        Some((source, m.announcement.round))
+    }
+
     /// Whether this replica could replay its current round from `peer`, which completed
     /// `its_round` rounds: it is ahead, vouched for, and did not leave this replica out of
     /// the round.
@@ -99,7 +107,13 @@ impl StepCoordinator {
             self.rounds
                 .went_on(from, a.round, catchable && !self.finished, now);
         } else if a.round > self.round && !self.finished {
-            if catchable {
+            // The replica this one downloaded from keeps the rounds since: while it serves,
+            // its own announcement brings the catch-up (it may announce a round later than
+            // the others: its uplink carries the catch-ups).
+            let source_serves = self
+                .source_serving(stage, members)
+                .is_some_and(|s| s.0 != from);
+            if catchable && !source_serves {
                 self.catch_up(out, stage, from, now);
             }
             return None;
@@ -167,6 +181,12 @@ impl StepCoordinator {
         self.catch_up.ask(out, from, stage, self.round, deadline);
     }
 
+    /// Keeps the round results from a round on, up to some bytes (see
+    /// [`super::super::agreement::CatchUp::keep_since`]).
+    pub fn keep_history_since(&mut self, keep: Option<(u64, usize)>) {
+        self.catch_up.keep_since(keep);
+    }
+
     /// Another replica asks for the result of `round` (see [`CatchUp::answer`]).
     pub fn answer_catch_up(&mut self, out: &mut Outbox, to: PeerKey, stage: u32, round: u64) {
         self.catch_up.answer(out, to, stage, round);
@@ -207,7 +227,6 @@ impl StepCoordinator {
         self.applying_round = true;
         self.round_group = 0;
         self.round_samples = samples;
-        self.catch_up.remember(round, &values, samples);
         out.compute(self.apply(values));
         None
     }
@@ -220,10 +239,18 @@ impl StepCoordinator {
         members: &Membership,
         now: Duration,
     ) {
-        if let Some(stage) = stage {
-            if let Some(ahead) = self.replica_ahead(stage, members, now) {
-                self.catch_up(out, stage, ahead, now);
-            }
+        let Some(stage) = stage else {
+            return;
+        };
+        let Some(ahead) = self.replica_ahead(stage, members, now) else {
+            return;
+        };
+        // The replica this one downloaded from is asked while it serves (see
+        // `on_replica_announced`): now if it is ahead, else once it announces it is.
+        match self.source_serving(stage, members) {
+            Some(source) if source.1 > self.round => self.catch_up(out, stage, source.0, now),
+            Some(_) => {}
+            None => self.catch_up(out, stage, ahead, now),
         }
     }
 }

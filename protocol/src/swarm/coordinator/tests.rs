@@ -29,7 +29,7 @@ fn settings(sync: SyncMode) -> Settings {
 
 fn serving(sync: SyncMode) -> StepCoordinator {
     let mut c = StepCoordinator::new(settings(sync), Codec::Fp32, Duration::ZERO);
-    c.start_serving(Some(7), Duration::ZERO);
+    c.start_serving(Some(7), None, Duration::ZERO);
     c.settle_until = None;
     c
 }
@@ -108,7 +108,7 @@ fn a_replica_that_just_started_serving_settles_before_starting_a_round() {
     let m = members(&[]);
     let mut out = Outbox::new(ME);
     let mut c = StepCoordinator::new(settings(SyncMode::AllReduce), Codec::Fp32, Duration::ZERO);
-    c.start_serving(Some(7), 50 * MS);
+    c.start_serving(Some(7), None, 50 * MS);
     commit(&mut c, 8);
     c.maybe_begin_round(&mut out, Some(1), &m, None, 10 * MS);
     assert!(!c.in_round());
@@ -160,7 +160,7 @@ fn a_replica_behind_catches_up_from_the_replica_ahead_and_downloads_if_it_cannot
     assert_eq!(sends(&mut out), [(PeerKey(9), request)]);
     // The replica ahead answers from its record.
     let mut ahead = serving(SyncMode::AllReduce);
-    ahead.catch_up.remember(0, &[0.5; 4], 8.0);
+    ahead.catch_up.remember(0, &[0.5; 4], &[None], 8.0);
     let mut theirs = Outbox::new(PeerKey(9));
     ahead.answer_catch_up(&mut theirs, ME, 1, 0);
     let Some((_, Message::CatchUp { data, samples, .. })) = sends(&mut theirs).pop() else {
@@ -188,6 +188,33 @@ fn a_replica_behind_catches_up_from_the_replica_ahead_and_downloads_if_it_cannot
     assert_eq!(c.next_timeout(), Some(deadline));
     let resync = c.handle_timeout(&mut out, Some(1), &m, None, deadline);
     assert_eq!(resync.map(|r| r.from), Some(PeerKey(9)));
+}
+
+/// After a download, the rounds missed meanwhile are asked of the replica the state came
+/// from (it keeps them while its snapshot is held), not of whichever replica ahead announces
+/// first; once that replica is gone, of any.
+#[test]
+fn a_replica_that_downloaded_catches_up_from_its_source() {
+    let m = members(&[(9, 1, 3, Some(3)), (8, 1, 3, Some(3))]);
+    let mut out = Outbox::new(ME);
+    let mut c = serving(SyncMode::AllReduce);
+    c.start_serving(Some(7), Some(PeerKey(8)), Duration::ZERO);
+    c.settle_until = None;
+    let a = announcement(1, 3, Some(3));
+    c.on_replica_announced(&mut out, 1, &m, PeerKey(9), &a, MS);
+    assert!(
+        sends(&mut out).is_empty(),
+        "9 is not where the state came from"
+    );
+    c.on_replica_announced(&mut out, 1, &m, PeerKey(8), &a, MS);
+    let request = Message::CatchUpRequest { stage: 1, round: 0 };
+    assert_eq!(sends(&mut out), [(PeerKey(8), request.clone())]);
+    let gone = members(&[(9, 1, 3, Some(3))]);
+    let mut c = serving(SyncMode::AllReduce);
+    c.start_serving(Some(7), Some(PeerKey(8)), Duration::ZERO);
+    c.settle_until = None;
+    c.on_replica_announced(&mut out, 1, &gone, PeerKey(9), &a, MS);
+    assert_eq!(sends(&mut out), [(PeerKey(9), request)]);
 }
 
 /// A replica left behind with the replicas it checked (a partition cut them off, and the run's

@@ -276,7 +276,22 @@ impl Attacker {
             }
             13 => {
                 let stage = [0, 1, 2, u32::MAX][self.below(4)];
-                (to, Message::StateRequest { stage }, "state request")
+                let msg = if self.below(2) == 0 {
+                    let first = [0, 1, u32::MAX][self.below(3)];
+                    let resume = [None, Some(self.next_u64())][self.below(2)];
+                    Message::StateRequest {
+                        stage,
+                        first,
+                        resume,
+                    }
+                } else if self.below(2) == 0 {
+                    let (hash, index) = (self.next_u64(), [0, 1, u32::MAX][self.below(3)]);
+                    Message::ChunkRequest { stage, hash, index }
+                } else {
+                    let hash = self.next_u64();
+                    Message::StateRelease { stage, hash }
+                };
+                (to, msg, "state request")
             }
             14 => {
                 let total = [0, 4, u64::MAX, 4 << 20][self.below(4)];
