@@ -286,8 +286,14 @@ impl ModelledStage {
                 for f in fields {
                     bytes.extend_from_slice(&f.to_le_bytes());
                 }
-                let filler = self.random(len.saturating_sub(bytes.len()).div_ceil(4));
-                bytes.extend(filler.iter().flat_map(|x| x.to_le_bytes()));
+                // Filled from the run's signal table at a place the state picks: replicas at
+                // the same parameters export the same bytes, as real ones do (a joiner pulls
+                // from several of them at once only then).
+                let mut at = (fields[0] ^ fields[1].rotate_left(17) ^ fields[2]) % NOISE_LEN as u64;
+                while bytes.len() < len {
+                    bytes.extend_from_slice(&self.signal[at as usize].to_le_bytes());
+                    at = (at + 1) % NOISE_LEN as u64;
+                }
                 bytes.truncate(len);
                 ComputeDone::State { to, bytes }
             }
@@ -433,6 +439,13 @@ mod tests {
         let ComputeDone::State { bytes, .. } = a.run(Job::Export { to: PeerKey(2) }) else {
             panic!()
         };
+        let ComputeDone::State { bytes: theirs, .. } = b.run(Job::Export { to: PeerKey(2) }) else {
+            panic!()
+        };
+        assert!(
+            bytes == theirs,
+            "replicas at the same parameters export the same bytes"
+        );
         let mut c = ModelledStage::new(config, 3).unwrap();
         assert!(matches!(
             c.run(Job::Import { stage: 1, state: bytes }),

@@ -151,15 +151,7 @@ impl CatchUp {
         let parts = (0..n)
             .map(|j| match parts.get(j).cloned().flatten() {
                 Some(bytes) => bytes,
-                None => {
-                    let part = &values[part_range(values.len(), n, j)];
-                    let mut data = Vec::new();
-                    // fp32 of finite values cannot fail; an empty record answers nothing.
-                    let _ = self
-                        .encoder
-                        .encode(Codec::Fp32, part, &[part.len()], &mut data);
-                    Arc::new(data)
-                }
+                None => Arc::new(self.exact(&values[part_range(values.len(), n, j)])),
             })
             .collect();
         self.history.remember(Record {
@@ -168,6 +160,28 @@ impl CatchUp {
             samples,
             rms: norms::rms(values),
         });
+    }
+
+    /// An encoding of `part` that decodes to exactly its values: int8 where it does (a part
+    /// nobody delivered is applied as zeros, which int8 holds exactly), else fp32.
+    fn exact(&mut self, part: &[f32]) -> Vec<u8> {
+        let mut data = Vec::new();
+        let compact = Codec::Int8 {
+            block: crate::codec::DEFAULT_INT8_BLOCK,
+        };
+        let encoded = self.encoder.encode(compact, part, &[part.len()], &mut data);
+        if encoded.is_ok()
+            && decode(&data, part.len())
+                .is_some_and(|v| v.iter().zip(part).all(|(a, b)| a.to_bits() == b.to_bits()))
+        {
+            return data;
+        }
+        data.clear();
+        // fp32 of finite values cannot fail; an empty record answers nothing.
+        let _ = self
+            .encoder
+            .encode(Codec::Fp32, part, &[part.len()], &mut data);
+        data
     }
 
     /// Keeps the rounds from `round` on, up to `bytes` of them (None: the usual
@@ -392,6 +406,11 @@ mod tests {
     use crate::swarm::message::Announcement;
 
     const MS: Duration = Duration::from_millis(1);
+
+    /// `n` values int8 cannot hold exactly: a round kept in fp32.
+    fn plain(n: usize) -> Vec<f32> {
+        (0..n).map(|i| 1.0 + (i % 97) as f32 * 1e-6).collect()
+    }
     const ME: PeerKey = PeerKey(5);
     const ALL: fn(PeerKey) -> bool = |_| true;
 
@@ -404,7 +423,7 @@ mod tests {
 
     #[test]
     fn rounds_since_a_held_snapshot_are_kept_beyond_the_usual_budget() {
-        let big = vec![0.5f32; HISTORY_BYTES / 4 / 2 + 1];
+        let big = plain(HISTORY_BYTES / 4 / 2 + 1);
         let mut c = CatchUp::default();
         for r in 0..4 {
             c.remember(r, &big, &[None], 1.0);
@@ -529,12 +548,12 @@ mod tests {
     #[test]
     fn the_record_keeps_the_latest_rounds_within_its_budget() {
         let mut c = CatchUp::default();
-        let big = vec![0.0; HISTORY_BYTES / 4 / 2 + 1];
+        let big = plain(HISTORY_BYTES / 4 / 2 + 1);
         c.remember(0, &big, &[None], 1.0);
         c.remember(1, &big, &[None], 1.0);
         assert!(c.history.get(0).is_none());
         assert!(c.history.get(1).is_some());
-        let huge = vec![0.0; HISTORY_BYTES / 4 + 1];
+        let huge = plain(HISTORY_BYTES / 4 + 1);
         c.remember(2, &huge, &[None], 1.0);
         assert!(
             c.history.get(2).is_some(),
@@ -560,7 +579,7 @@ mod tests {
             applied.extend(decode(&bytes, part.len()).unwrap());
             parts.push(Some(Arc::new(bytes)));
         }
-        // The middle part was refused: applied as zeros, kept in fp32.
+        // The middle part was refused: applied as zeros, kept in int8 (zeros are exact).
         let middle = part_range(values.len(), n, 1);
         applied[middle.clone()].iter_mut().for_each(|v| *v = 0.0);
         parts[1] = None;

@@ -46,6 +46,18 @@ pub(super) struct At {
     pub round: u64,
 }
 
+/// Exports made for one requester within a transfer timeout.
+#[derive(Clone, Copy, Debug)]
+struct Served {
+    since: Duration,
+    exports: u32,
+    done: bool,
+}
+
+/// Exports one requester may cause within a transfer timeout, at most, each after it was
+/// done with the last: a re-sync right after a download is not a flood, a loop of them is.
+const EXPORTS_PER_REQUESTER: u32 = 3;
+
 /// An export kept while it is downloaded.
 #[derive(Debug)]
 struct Snapshot {
@@ -86,8 +98,9 @@ pub(super) struct StateExports {
     waiting: VecDeque<(PeerKey, u32)>,
     /// The chunk each requester of a running export wants first.
     first: BTreeMap<PeerKey, u32>,
-    /// When each recent requester was last served.
-    served: BTreeMap<PeerKey, Duration>,
+    /// Each recent requester: since when, exports made for it, and whether it is done with
+    /// the last (pulled it whole or released it).
+    served: BTreeMap<PeerKey, Served>,
     snapshots: Vec<Snapshot>,
     /// Snapshots dropped once their downloads were done, as (round, bytes, until when): their
     /// downloaders still catch up the rounds since from this replica for a while.
@@ -144,6 +157,13 @@ impl StateExports {
         if !s.grant(to, index, now) {
             return;
         }
+        if s.sent
+            .get(&to)
+            .is_some_and(|n| *n >= chunk_count(s.bytes.len() as u64))
+        {
+            self.note_done(to);
+        }
+        let s = &self.snapshots[which];
         if self.limit.is_some() {
             if self.paced.len() < MAX_PACED {
                 self.paced.push_back((to, s.hash, index));
@@ -187,8 +207,9 @@ impl StateExports {
     /// `to` asks for the state (`first`: the chunk it wants first; `resume`: the version
     /// it holds chunks of), which stands at `at`. A snapshot of version `resume` goes on if
     /// held; else one of `at` serves if held; else an export: now if it may be, later if a
-    /// round runs (`in_round`) or enough exports run already, not at all if too many wait
-    /// or `to` was served lately and has not pulled that whole snapshot yet.
+    /// round runs (`in_round`) or enough exports run already, not at all if too many wait,
+    /// or `to` is still served one (it neither pulled it whole nor released it), or it was
+    /// served [`EXPORTS_PER_REQUESTER`] within the transfer timeout.
     #[allow(clippy::too_many_arguments)]
     pub fn request(
         &mut self,
@@ -200,31 +221,25 @@ impl StateExports {
         in_round: bool,
         now: Duration,
     ) {
+        let every = self.every;
         self.served
-            .retain(|_, t| now.saturating_sub(*t) < self.every);
+            .retain(|_, s| now.saturating_sub(s.since) < every);
         if let Some(which) = self.snapshots.iter().position(|s| Some(s.hash) == resume) {
             // A downloader that lost its other sources, or gave this one up and found no
             // better: its version goes on.
-            self.served.insert(to, now);
             self.snapshots[which].sent.entry(to).or_insert(0);
             self.send_first(out, which, to, first, now);
             return;
         }
-        // A requester that pulled a whole snapshot is done with it: asking again is a new
-        // download (a re-sync), not a flood.
-        let pulled = |s: &Snapshot| {
-            s.sent
-                .get(&to)
-                .is_some_and(|n| *n >= chunk_count(s.bytes.len() as u64))
-        };
-        if self.snapshots.iter().any(pulled) {
-            self.served.remove(&to);
-        }
-        if self.served.contains_key(&to) || self.waiting.iter().any(|w| w.0 == to) {
+        let refused = self
+            .served
+            .get(&to)
+            .is_some_and(|s| !s.done || s.exports >= EXPORTS_PER_REQUESTER);
+        if refused || self.waiting.iter().any(|w| w.0 == to) {
             return;
         }
         if let Some(which) = self.snapshots.iter().position(|s| s.at == at) {
-            self.served.insert(to, now);
+            self.note_served(to, now);
             self.snapshots[which].sent.entry(to).or_insert(0);
             self.send_first(out, which, to, first, now);
         } else if !in_round && self.running < MAX_RUNNING {
@@ -234,9 +249,27 @@ impl StateExports {
         }
     }
 
+    /// `to` is served a snapshot (an export, or one held).
+    fn note_served(&mut self, to: PeerKey, now: Duration) {
+        let s = self.served.entry(to).or_insert(Served {
+            since: now,
+            exports: 0,
+            done: false,
+        });
+        s.exports += 1;
+        s.done = false;
+    }
+
+    /// `to` is done with the snapshot it was served: it may ask for another.
+    fn note_done(&mut self, to: PeerKey) {
+        if let Some(s) = self.served.get_mut(&to) {
+            s.done = true;
+        }
+    }
+
     fn start(&mut self, out: &mut Outbox, to: PeerKey, first: u32, now: Duration) {
         self.running += 1;
-        self.served.insert(to, now);
+        self.note_served(to, now);
         self.first.insert(to, first);
         out.compute(Job::Export { to });
     }
@@ -310,6 +343,8 @@ impl StateExports {
             return;
         }
         s.released.insert(from);
+        self.note_done(from);
+        let s = &mut self.snapshots[which];
         if s.sent.keys().all(|k| s.released.contains(k)) {
             let s = self.snapshots.swap_remove(which);
             self.catching_up
@@ -566,6 +601,19 @@ mod tests {
         e.release(PeerKey(8), 1, hash, 2 * S);
         assert!(e.snapshots.is_empty());
         assert_eq!(e.history_needed(), Some((4, 10)));
+        // Done with its snapshot, 8 may ask for another (a re-sync), a few times.
+        exports(&mut out);
+        for _ in 0..5 {
+            e.request(&mut out, PeerKey(8), 0, None, AT, false, 3 * S);
+            e.done(&mut out, false, 3 * S);
+            e.note_done(PeerKey(8));
+        }
+        assert_eq!(
+            exports(&mut out),
+            [8, 8],
+            "{} exports per requester",
+            EXPORTS_PER_REQUESTER
+        );
         e.expire(32 * S);
         assert_eq!(e.history_needed(), None);
     }

@@ -26,7 +26,9 @@
 //! * [`bans`]: accusations from a stage's own replicas, and bans once a majority accuses.
 //! * [`robust`]: the centered-clipping mean an averaging round's part owner computes, so
 //!   that no replica steers a part by more than the honest replicas' spread.
-//! * [`transfer`]: a stage's state sent to a joiner in hash-checked chunks.
+//! * [`transfer`]: a joiner's download of a stage's state: hash-checked chunks pulled from
+//!   several replicas at once, with deadlines by progress (the replicas' side, snapshots
+//!   and the chunks cut from them, is `exports.rs`).
 //!
 //! The [`peer`] is a thin composition of five parts, each a small state machine that owns its
 //! state and deadlines and has unit tests of its own rules (the whole-swarm tests in `tests.rs`
