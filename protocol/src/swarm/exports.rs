@@ -34,6 +34,11 @@ pub(super) const MAX_WAITING: usize = 64;
 /// Snapshots kept at once, at most (the least recently used goes first).
 pub(super) const MAX_SNAPSHOTS: usize = 2;
 
+/// Round history kept for downloads under way, in snapshot sizes: int8 rounds of a stage
+/// are a sixteenth of its state (parameters and two AdamW moments, fp32), so this holds the
+/// rounds of a download that takes 32 steps.
+const HISTORY_PER_SNAPSHOT: usize = 2;
+
 /// Chunks waiting for the upload limit, at most: a full window for every request that may
 /// wait.
 const MAX_PACED: usize = MAX_WAITING * WINDOW;
@@ -361,14 +366,15 @@ impl StateExports {
     }
 
     /// What the round history must keep for the downloads under way: the rounds since the
-    /// oldest snapshot, up to the snapshots' size (a downloader a few rounds behind catches
-    /// up rather than downloading again).
+    /// oldest snapshot, up to [`HISTORY_PER_SNAPSHOT`] times the largest snapshot's size (a
+    /// downloader a few rounds behind catches up rather than downloading again).
     pub fn history_needed(&self) -> Option<(u64, usize)> {
         let held = self.snapshots.iter().map(|s| (s.at.round, s.bytes.len()));
         let done = self.catching_up.iter().map(|c| (c.0, c.1));
         let all: Vec<(u64, usize)> = held.chain(done).collect();
         let since = all.iter().map(|a| a.0).min()?;
-        Some((since, all.iter().map(|a| a.1).max().unwrap_or(0)))
+        let largest = all.iter().map(|a| a.1).max().unwrap_or(0);
+        Some((since, HISTORY_PER_SNAPSHOT * largest))
     }
 
     /// The stage's state is about to be replaced: its snapshots serve nobody.
@@ -558,7 +564,7 @@ mod tests {
         // It pulled the whole state: asking again without a version is a new download.
         e.request(&mut out, PeerKey(7), 0, None, later, false, 3 * S);
         assert_eq!(exports(&mut out), [7]);
-        assert_eq!(e.history_needed(), Some((4, 10)));
+        assert_eq!(e.history_needed(), Some((4, 2 * 10)));
     }
 
     #[test]
@@ -600,7 +606,7 @@ mod tests {
         assert_eq!(e.snapshots.len(), 1, "8 still downloads");
         e.release(PeerKey(8), 1, hash, 2 * S);
         assert!(e.snapshots.is_empty());
-        assert_eq!(e.history_needed(), Some((4, 10)));
+        assert_eq!(e.history_needed(), Some((4, 2 * 10)));
         // Done with its snapshot, 8 may ask for another (a re-sync), a few times.
         exports(&mut out);
         for _ in 0..5 {
