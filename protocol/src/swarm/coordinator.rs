@@ -452,7 +452,7 @@ impl StepCoordinator {
         // Behind a replica of this stage: its round is over, so catch up instead of starting
         // a round nobody else will join.
         if let Some(ahead) = self.replica_ahead(stage, members, now) {
-            self.catch_up(out, stage, ahead, now);
+            self.catch_up_with(out, stage, members, ahead, now);
             return;
         }
         let key = RoundKey {
@@ -578,6 +578,12 @@ impl StepCoordinator {
             if standing == Standing::NotAReplica {
                 out.violation(from, "a round message from a peer that serves no stage");
             }
+            return;
+        }
+        if self.catch_up.asking() && key.index > self.round && !self.rounds.active() {
+            // A later round while this replica's own is on its way from another replica: it
+            // cannot take part before it applied that (the answer would find a round under
+            // way and the replica would download its whole state instead).
             return;
         }
         let len = self.params(key.stage);

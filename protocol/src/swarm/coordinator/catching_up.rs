@@ -242,11 +242,21 @@ impl StepCoordinator {
         let Some(stage) = stage else {
             return;
         };
-        let Some(ahead) = self.replica_ahead(stage, members, now) else {
-            return;
-        };
-        // The replica this one downloaded from is asked while it serves (see
-        // `on_replica_announced`): now if it is ahead, else once it announces it is.
+        if let Some(ahead) = self.replica_ahead(stage, members, now) {
+            self.catch_up_with(out, stage, members, ahead, now);
+        }
+    }
+
+    /// Catches up with `ahead`, or rather with the replica this one downloaded from while it
+    /// serves (see `on_replica_announced`): now if it is ahead, else once it announces it is.
+    pub(super) fn catch_up_with(
+        &mut self,
+        out: &mut Outbox,
+        stage: u32,
+        members: &Membership,
+        ahead: PeerKey,
+        now: Duration,
+    ) {
         match self.source_serving(stage, members) {
             Some(source) if source.1 > self.round => self.catch_up(out, stage, source.0, now),
             Some(_) => {}
