@@ -580,12 +580,6 @@ impl StepCoordinator {
             }
             return;
         }
-        if self.catch_up.asking() && key.index > self.round && !self.rounds.active() {
-            // A later round while this replica's own is on its way from another replica: it
-            // cannot take part before it applied that (the answer would find a round under
-            // way and the replica would download its whole state instead).
-            return;
-        }
         let len = self.params(key.stage);
         let (leaders, replicas) = self.round_members(key.stage, members);
         self.rounds.on_message(
