@@ -106,7 +106,7 @@ pub struct Downloaded {
     pub round: u64,
     /// The state.
     pub bytes: Vec<u8>,
-    /// The peer whose version it is (the first to send a chunk of it).
+    /// A source of it that served to the end (the first to send a chunk of it, if it did).
     pub source: PeerKey,
 }
 
@@ -364,6 +364,10 @@ impl Download {
             return Added::Corrupt(suspects);
         }
         let done: Vec<PeerKey> = self.sources.keys().copied().collect();
+        // The version's first source if it served to the end, else the one that sent the
+        // last chunk: a source still holding the snapshot keeps the rounds since it, which
+        // the new replica's catch-ups ask for (one given up midway may not).
+        let source = self.origin.filter(|o| done.contains(o)).unwrap_or(from);
         for k in done {
             self.release(k);
         }
@@ -371,7 +375,7 @@ impl Download {
             step: version.step,
             round: version.round,
             bytes: std::mem::take(&mut self.bytes),
-            source: self.origin.unwrap_or(from),
+            source,
         })
     }
 
@@ -517,7 +521,11 @@ mod tests {
             panic!("{end:?}")
         };
         assert_eq!(done.bytes, s);
-        assert_eq!(done.source, PeerKey(1), "the version was 1's");
+        assert_eq!(
+            done.source,
+            PeerKey(2),
+            "1 started the version, 2 served to the end"
+        );
         assert_eq!(sent[&PeerKey(2)] as u64, n - 2 - 2 * WINDOW as u64);
         assert_eq!(d.restarts, 0);
         assert_eq!(d.bytes_received, s.len() as u64);
