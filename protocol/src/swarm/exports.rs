@@ -19,7 +19,7 @@
 
 use super::PeerKey;
 use super::interface::Job;
-use super::message::Message;
+use super::message::{Message, StateChunk};
 use super::outbox::Outbox;
 use super::transfer::{WINDOW, chunk, chunk_count, state_hash};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -78,13 +78,25 @@ struct Snapshot {
 }
 
 impl Snapshot {
+    /// How many chunks it is cut into.
+    fn chunks(&self) -> u32 {
+        chunk_count(self.bytes.len() as u64)
+    }
+
+    /// Chunk `index` of it, None past its end.
+    fn cut(&self, index: u32) -> Option<StateChunk> {
+        let at = self.at;
+        chunk(at.stage, at.step, at.round, self.hash, &self.bytes, index)
+    }
+
     /// Whether chunk `index` may go to `to` (within `to`'s allowance); counts it if so.
     fn grant(&mut self, to: PeerKey, index: u32, now: Duration) -> bool {
-        let allowance = 2 * chunk_count(self.bytes.len() as u64) + WINDOW as u32;
+        let chunks = self.chunks();
+        let allowance = 2 * chunks + WINDOW as u32;
         let Some(sent) = self.sent.get_mut(&to).filter(|n| **n < allowance) else {
             return false;
         };
-        if index >= chunk_count(self.bytes.len() as u64) {
+        if index >= chunks {
             return false;
         }
         *sent += 1;
@@ -151,7 +163,7 @@ impl StateExports {
         first: u32,
         now: Duration,
     ) {
-        let index = first % chunk_count(self.snapshots[which].bytes.len() as u64);
+        let index = first % self.snapshots[which].chunks();
         self.send(out, which, to, index, now);
     }
 
@@ -162,10 +174,7 @@ impl StateExports {
         if !s.grant(to, index, now) {
             return;
         }
-        if s.sent
-            .get(&to)
-            .is_some_and(|n| *n >= chunk_count(s.bytes.len() as u64))
-        {
+        if s.sent.get(&to).is_some_and(|n| *n >= s.chunks()) {
             self.note_done(to);
         }
         let s = &self.snapshots[which];
@@ -176,10 +185,16 @@ impl StateExports {
             self.pump(out, now);
             return;
         }
-        let at = s.at;
-        if let Some(c) = chunk(at.stage, at.step, at.round, s.hash, &s.bytes, index) {
+        if let Some(c) = s.cut(index) {
             out.send(to, Message::StateChunk(c));
         }
+    }
+
+    /// The snapshot of `stage` hashing to `hash`, if held.
+    fn find(&self, stage: u32, hash: u64) -> Option<usize> {
+        self.snapshots
+            .iter()
+            .position(|s| s.hash == hash && s.at.stage == stage)
     }
 
     /// Sends the paced chunks the upload limit lets go by `now`.
@@ -195,8 +210,7 @@ impl StateExports {
             let Some(s) = self.snapshots.iter().find(|s| s.hash == hash) else {
                 continue;
             };
-            let at = s.at;
-            if let Some(c) = chunk(at.stage, at.step, at.round, s.hash, &s.bytes, index) {
+            if let Some(c) = s.cut(index) {
                 let spent = Duration::from_secs_f64(c.data.len() as f64 / limit);
                 self.next_send = self.next_send.max(now) + spent;
                 out.send(to, Message::StateChunk(c));
@@ -317,15 +331,11 @@ impl StateExports {
         index: u32,
         now: Duration,
     ) -> Result<(), &'static str> {
-        let Some(which) = self
-            .snapshots
-            .iter()
-            .position(|s| s.hash == hash && s.at.stage == stage)
-        else {
+        let Some(which) = self.find(stage, hash) else {
             // Dropped since (its requester was too slow, or the peer moved on).
             return Ok(());
         };
-        if index >= chunk_count(self.snapshots[which].bytes.len() as u64) {
+        if index >= self.snapshots[which].chunks() {
             return Err("a state chunk past the state's end");
         }
         self.send(out, which, from, index, now);
@@ -336,11 +346,7 @@ impl StateExports {
     /// served is, it is dropped; the rounds since it are kept a transfer timeout longer for
     /// the downloaders' catch-ups.
     pub fn release(&mut self, from: PeerKey, stage: u32, hash: u64, now: Duration) {
-        let Some(which) = self
-            .snapshots
-            .iter()
-            .position(|s| s.hash == hash && s.at.stage == stage)
-        else {
+        let Some(which) = self.find(stage, hash) else {
             return;
         };
         let s = &mut self.snapshots[which];
