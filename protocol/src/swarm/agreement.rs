@@ -104,11 +104,17 @@ pub fn frame_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> Vec<u8> {
     out
 }
 
-/// The parts of a catch-up framed by [`frame_parts`]; None if the framing does not hold.
+/// The parts of a catch-up framed by [`frame_parts`]; None if the framing does not hold or
+/// it has more parts than a round can have (one per member, at most
+/// [`MAX_MEMBERS`](super::membership::MAX_MEMBERS)): the list allocated follows that bound,
+/// not the message's size.
 pub fn parts_of(data: &[u8]) -> Option<Vec<&[u8]>> {
     let mut parts = Vec::new();
     let mut rest = data;
     while !rest.is_empty() {
+        if parts.len() == super::membership::MAX_MEMBERS {
+            return None;
+        }
         let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
         let part = rest.get(4..4usize.checked_add(len)?)?;
         parts.push(part);
@@ -517,6 +523,9 @@ mod tests {
             c.on_answer(&mut out, PeerKey(9), 4, 1.0, &nan, 3),
             Some(Err(_))
         ));
+        // More parts than a round has members: refused before they are listed.
+        assert!(parts_of(&[0u8; 4 * (super::super::membership::MAX_MEMBERS + 1)]).is_none());
+        assert!(parts_of(&[0u8; 4 * super::super::membership::MAX_MEMBERS]).is_some());
         // Framing that does not hold.
         c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
         assert!(matches!(
