@@ -31,11 +31,20 @@ pub enum Preset {
     Mini,
     /// GPT-2 small (124M parameters with the GPT-2 vocabulary): GPU-class.
     Gpt2,
+    /// GPT-2 XL's shape (1.56B parameters: 48 layers of width 1600): for modelled swarms of
+    /// volunteer GPUs at the size where pipelining is needed.
+    Gpt2Xl,
 }
 
 impl Preset {
     /// All presets, smallest first.
-    pub const ALL: [Preset; 4] = [Preset::Nano, Preset::Micro, Preset::Mini, Preset::Gpt2];
+    pub const ALL: [Preset; 5] = [
+        Preset::Nano,
+        Preset::Micro,
+        Preset::Mini,
+        Preset::Gpt2,
+        Preset::Gpt2Xl,
+    ];
 
     /// The preset's name as used on the command line and in reports.
     pub fn name(self) -> &'static str {
@@ -44,6 +53,7 @@ impl Preset {
             Preset::Micro => "micro",
             Preset::Mini => "mini",
             Preset::Gpt2 => "gpt2",
+            Preset::Gpt2Xl => "gpt2-xl",
         }
     }
 
@@ -54,6 +64,8 @@ impl Preset {
             Preset::Nano => 3e-3,
             Preset::Micro => 1e-3,
             Preset::Mini | Preset::Gpt2 => 6e-4,
+            // Not swept: the rate GPT-3's authors used at this size.
+            Preset::Gpt2Xl => 2e-4,
         }
     }
 
@@ -64,6 +76,7 @@ impl Preset {
             Preset::Micro => (256, 128, 256, 6, 8),
             Preset::Mini => (256, 256, 512, 8, 8),
             Preset::Gpt2 => (50257, 1024, 768, 12, 12),
+            Preset::Gpt2Xl => (50257, 1024, 1600, 48, 25),
         };
         ModelConfig {
             vocab,
@@ -87,7 +100,10 @@ impl FromStr for Preset {
         Preset::ALL
             .into_iter()
             .find(|p| p.name() == s)
-            .ok_or_else(|| format!("unknown preset '{s}' (known: nano, micro, mini, gpt2)"))
+            .ok_or_else(|| {
+                let known: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
+                format!("unknown preset '{s}' (known: {})", known.join(", "))
+            })
     }
 }
 
@@ -155,6 +171,9 @@ mod tests {
         // GPT-2 small with the GPT-2 vocabulary is the well-known 124M.
         let g = Preset::Gpt2.config().params();
         assert_eq!(g, 124_439_808);
-        assert!("huge".parse::<Preset>().is_err());
+        // GPT-2 XL: the well-known 1.5B (1,557,611,200 with its vocabulary).
+        assert_eq!(Preset::Gpt2Xl.config().params(), 1_557_611_200);
+        let e = "huge".parse::<Preset>().unwrap_err();
+        assert!(e.contains("gpt2-xl"), "{e}");
     }
 }

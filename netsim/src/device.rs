@@ -140,6 +140,7 @@ mod tests {
             activation_values: 8,
             memory: vec![0],
             microbatch_memory: vec![0],
+            param_scale: 1,
         };
         let d = DeviceProfile::named("t4").unwrap();
         let fwd = Job::Forward {

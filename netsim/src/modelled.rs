@@ -12,8 +12,8 @@
 //! Durations come from the device model either way, so a run's timing, traffic and protocol
 //! decisions are those of the real model; only the numbers inside the tensors are not.
 
-use shoal_compute::{ModelConfig, StageSpec, exported_state_len};
-use shoal_protocol::swarm::{ComputeDone, Input, Job, Output, RunConfig, SeededRng};
+use shoal_compute::{ModelConfig, exported_state_len};
+use shoal_protocol::swarm::{ComputeDone, Input, Job, Output, RunConfig, SeededRng, StageCosts};
 use std::collections::BTreeMap;
 use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 
@@ -21,6 +21,8 @@ use xxhash_rust::xxh3::{Xxh3Default, xxh3_64};
 pub struct ModelledStage {
     config: RunConfig,
     model: ModelConfig,
+    /// Values of each stage's parameter-sized tensors.
+    params: Vec<usize>,
     rng: SeededRng,
     /// Random values that tensors are cut from (filling every tensor value by value would
     /// cost more than the codecs it is made for).
@@ -61,8 +63,9 @@ const SIGNAL: f32 = 0.5;
 const STATE_MAGIC: &[u8; 8] = b"SHOALSIM";
 
 impl ModelledStage {
-    /// A modelled replica for `config`; `seed` fills its tensors.
-    pub fn new(config: RunConfig, seed: u64) -> Result<Self, String> {
+    /// A modelled replica for `config` whose stages hold `costs.params` values (scaled
+    /// down from the model's where `costs.param_scale` says so); `seed` fills its tensors.
+    pub fn new(config: RunConfig, costs: &StageCosts, seed: u64) -> Result<Self, String> {
         let model = shoal_worker::model_of(&config)?;
         let mut rng = SeededRng::new(seed);
         let mut noise = vec![0.0; NOISE_LEN];
@@ -72,6 +75,7 @@ impl ModelledStage {
         Ok(ModelledStage {
             config,
             model,
+            params: costs.params.clone(),
             rng,
             noise,
             signal,
@@ -86,13 +90,9 @@ impl ModelledStage {
     }
 
     fn build(&self, stage: u32, hash: u64, anchor: u64, outer_steps: u64) -> Replica {
-        let spec = StageSpec {
-            index: stage as usize,
-            count: self.config.stages as usize,
-        };
         Replica {
             stage,
-            params: spec.param_count(&self.model),
+            params: self.params.get(stage as usize).copied().unwrap_or(0),
             hash,
             anchor,
             outer_steps,
@@ -341,6 +341,11 @@ mod tests {
     use super::*;
     use shoal_protocol::swarm::PeerKey;
 
+    fn costs(config: &RunConfig) -> StageCosts {
+        let model = shoal_worker::model_of(config).unwrap();
+        shoal_worker::stage_costs(config, &model, &shoal_protocol::swarm::Timing::default())
+    }
+
     fn config() -> RunConfig {
         crate::Scenario::parse(
             "[run]\npreset = \"mini\"\nstages = 2\nglobal_batch = 8\nmicrobatch = 2\nsteps = 1\n\
@@ -355,8 +360,8 @@ mod tests {
         let config = config();
         let model = shoal_worker::model_of(&config).unwrap();
         let boundary = 2 * config.seq as usize * model.width;
-        let mut first = ModelledStage::new(config.clone(), 1).unwrap();
-        let mut last = ModelledStage::new(config.clone(), 2).unwrap();
+        let mut first = ModelledStage::new(config.clone(), &costs(&config), 1).unwrap();
+        let mut last = ModelledStage::new(config.clone(), &costs(&config), 2).unwrap();
         first.run(Job::Init { stage: 0 });
         last.run(Job::Init { stage: 1 });
         let ComputeDone::Forward {
@@ -403,7 +408,7 @@ mod tests {
         let ComputeDone::Gradient { values, samples } = first.run(Job::TakeGradient) else {
             panic!("a gradient")
         };
-        let spec = StageSpec { index: 0, count: 2 };
+        let spec = shoal_compute::StageSpec { index: 0, count: 2 };
         assert_eq!(values.len(), spec.param_count(&model));
         assert_eq!(samples, 2.0);
         let ComputeDone::State { bytes, .. } = first.run(Job::Export { to: PeerKey(1) }) else {
@@ -415,8 +420,8 @@ mod tests {
     #[test]
     fn replicas_agree_exactly_when_they_took_the_same_steps() {
         let config = config();
-        let mut a = ModelledStage::new(config.clone(), 1).unwrap();
-        let mut b = ModelledStage::new(config.clone(), 2).unwrap();
+        let mut a = ModelledStage::new(config.clone(), &costs(&config), 1).unwrap();
+        let mut b = ModelledStage::new(config.clone(), &costs(&config), 2).unwrap();
         let ComputeDone::Ready { hash: ha } = a.run(Job::Init { stage: 1 }) else {
             panic!()
         };
@@ -446,7 +451,7 @@ mod tests {
             bytes == theirs,
             "replicas at the same parameters export the same bytes"
         );
-        let mut c = ModelledStage::new(config, 3).unwrap();
+        let mut c = ModelledStage::new(config.clone(), &costs(&config), 3).unwrap();
         assert!(matches!(
             c.run(Job::Import { stage: 1, state: bytes }),
             ComputeDone::Ready { hash } if hash == sa

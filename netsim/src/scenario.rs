@@ -184,6 +184,12 @@ pub struct SimSection {
     /// A silent connection is declared dead after this long (the node's QUIC idle timeout).
     #[serde(default = "idle_timeout_s")]
     pub idle_timeout_s: f64,
+    /// Modelled compute: the most values a stage's parameter-sized tensors (gradients,
+    /// averaged parts, catch-ups, states) hold in the simulator. A larger stage carries them
+    /// scaled down by the same factor for every stage, and the links are charged their full
+    /// size, so the simulator's memory follows the number of peers, not the model.
+    #[serde(default = "modelled_tensor_values")]
+    pub modelled_tensor_values: usize,
 }
 
 fn max_sim_s() -> f64 {
@@ -192,12 +198,16 @@ fn max_sim_s() -> f64 {
 fn idle_timeout_s() -> f64 {
     10.0
 }
+fn modelled_tensor_values() -> usize {
+    1 << 16
+}
 
 impl Default for SimSection {
     fn default() -> Self {
         SimSection {
             max_sim_s: max_sim_s(),
             idle_timeout_s: idle_timeout_s(),
+            modelled_tensor_values: modelled_tensor_values(),
         }
     }
 }
@@ -422,6 +432,9 @@ impl Scenario {
         events.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
         if !(self.sim.max_sim_s > 0.0 && self.sim.idle_timeout_s > 0.0) {
             return Err("[sim] times must be positive".into());
+        }
+        if self.sim.modelled_tensor_values == 0 {
+            return Err("[sim] modelled_tensor_values must be at least 1".into());
         }
         Ok(Setup {
             config,

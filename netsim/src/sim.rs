@@ -229,7 +229,11 @@ pub struct Sim {
     setup: Setup,
     config: RunConfig,
     run: RunId,
+    /// The model's costs: what the device model times jobs by.
     costs: StageCosts,
+    /// What peers are told and carry: the model's, but for modelled compute's scaled-down
+    /// parameter-sized tensors (see [`scaled_down`]).
+    peer_costs: StageCosts,
     timing: Timing,
     backend: Arc<CpuBackend>,
     rng: SeededRng,
@@ -273,11 +277,16 @@ impl Sim {
         let model = model_of(&config)?;
         let timing = Timing::default();
         let costs = stage_costs(&config, &model, &timing);
+        let peer_costs = match setup.compute {
+            Compute::Real => costs.clone(),
+            Compute::Modelled => scaled_down(&costs, setup.sim.modelled_tensor_values),
+        };
         let backend = Arc::new(CpuBackend::new(1).map_err(|e| e.to_string())?);
         let mut sim = Sim {
             run: config.run_id(),
             config,
             costs,
+            peer_costs,
             timing,
             backend,
             rng: SeededRng::new(seed),
@@ -472,7 +481,7 @@ impl Sim {
             let mut machine = Peer::new(
                 key,
                 self.config.clone(),
-                self.costs.clone(),
+                self.peer_costs.clone(),
                 self.timing,
                 seed,
                 None,
@@ -500,9 +509,11 @@ impl Sim {
                 }
                 // Seeded by the key, not by a draw, so that real and modelled runs of one
                 // scenario draw the same random numbers.
-                Compute::Modelled => {
-                    Worker::Modelled(Box::new(ModelledStage::new(self.config.clone(), key.0)?))
-                }
+                Compute::Modelled => Worker::Modelled(Box::new(ModelledStage::new(
+                    self.config.clone(),
+                    &self.peer_costs,
+                    key.0,
+                )?)),
             };
             let index = self.peers.len();
             self.by_key.insert(key, index);
@@ -541,13 +552,17 @@ impl Sim {
         let machine = Peer::new(
             key,
             self.config.clone(),
-            self.costs.clone(),
+            self.peer_costs.clone(),
             self.timing,
             key.0,
             None,
             self.now_d(),
         );
-        let worker = Worker::Modelled(Box::new(ModelledStage::new(self.config.clone(), key.0)?));
+        let worker = Worker::Modelled(Box::new(ModelledStage::new(
+            self.config.clone(),
+            &self.peer_costs,
+            key.0,
+        )?));
         let index = self.peers.len();
         self.by_key.insert(key, index);
         self.peers.push(SimPeer {
@@ -716,7 +731,9 @@ impl Sim {
     /// Sends `msg` from `from` to `to` through the link model.
     fn send(&mut self, from: usize, to: usize, msg: Message) {
         let env = Envelope { run: self.run, msg };
-        let bytes = (env.to_bytes().len() + FRAME_HEADER_LEN) as u64;
+        // Scaled-down tensors are charged their full size.
+        let unscaled = env.msg.parameter_bytes() * (self.peer_costs.param_scale - 1);
+        let bytes = (env.to_bytes().len() + FRAME_HEADER_LEN + unscaled) as u64;
         *self.bytes.entry(env.msg.traffic()).or_default() += bytes;
         if let Some(codec) = env.msg.boundary_codec() {
             *self.boundary_codecs.entry(codec).or_default() += 1;
@@ -873,6 +890,18 @@ impl Sim {
             }
             _ => {}
         }
+    }
+}
+
+/// `costs` with every stage's parameter-sized tensors scaled down by one factor, so that the
+/// largest holds at most `max_values` values.
+fn scaled_down(costs: &StageCosts, max_values: usize) -> StageCosts {
+    let largest = costs.params.iter().copied().max().unwrap_or(0);
+    let scale = largest.div_ceil(max_values.max(1)).max(1);
+    StageCosts {
+        params: costs.params.iter().map(|p| p.div_ceil(scale)).collect(),
+        param_scale: scale,
+        ..costs.clone()
     }
 }
 

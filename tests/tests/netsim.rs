@@ -107,6 +107,36 @@ fn modelled_compute_times_and_sends_what_real_compute_does() {
     assert_eq!(modelled.recoveries.len(), real.recoveries.len(), "{tables}");
 }
 
+/// Modelled compute carries a large stage's gradients, parts and states scaled down (so that a
+/// simulated swarm's memory does not follow the model) and charges the links their full size:
+/// scaled down ten times, the same scenario sends as many bytes of every traffic (to within
+/// the tensors' headers, which are charged scaled too) and takes as long as with full-size
+/// tensors.
+#[test]
+fn scaled_down_tensors_are_charged_their_full_size() {
+    let modelled = SMALL.replace("steps = 12", "steps = 12\ncompute = \"modelled\"");
+    let full = run(&modelled, 5);
+    let scaled = run(
+        &format!("{modelled}\n[sim]\nmodelled_tensor_values = 4096\n"),
+        5,
+    );
+    let tables = format!("scaled:\n{}\nfull:\n{}", scaled.table(), full.table());
+    assert!(full.finished && scaled.finished, "{tables}");
+    let close = |a: f64, b: f64, tolerance: f64| (a - b).abs() <= tolerance * b.abs();
+    for kind in ["activations", "activation_grads", "averaging", "state"] {
+        let (s, f) = (scaled.bytes_per_token(kind), full.bytes_per_token(kind));
+        assert!(
+            close(s, f, 0.03),
+            "{kind}: {s} vs {f} bytes per token\n{tables}"
+        );
+    }
+    assert!(
+        close(scaled.sim_seconds, full.sim_seconds, 0.05),
+        "{tables}"
+    );
+    assert_eq!(scaled.recoveries.len(), full.recoveries.len(), "{tables}");
+}
+
 /// `micro` in 2 stages with modelled compute, its 6 peers on `fast` or `slow` links.
 fn two_stages_on(fast: &str, slow: &str) -> String {
     format!(

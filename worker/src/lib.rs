@@ -78,6 +78,7 @@ pub fn stage_costs(config: &RunConfig, model: &ModelConfig, timing: &Timing) -> 
                     - s.train_memory_bytes(model, rows, seq, 0)
             })
             .collect(),
+        param_scale: 1,
     }
 }
 

@@ -54,6 +54,10 @@ const MAX_EARLY: usize = 256;
 /// A round's group is at most every member a peer can know of.
 const MAX_GROUP: usize = super::membership::MAX_MEMBERS;
 
+/// The most a round waits for one member's shares to go out, however slow its uplink was
+/// measured.
+const MAX_TRANSFER: Duration = Duration::from_secs(600);
+
 /// What a round wants its owner to do.
 #[derive(Clone, Debug, PartialEq)]
 pub enum RoundOut {
@@ -173,6 +177,14 @@ pub struct Round {
     /// point against its share, against the others); leading, leave the others out.
     pub(super) forge_part: bool,
     pub(super) exclude_others: bool,
+    /// Seconds per byte of encoded shares on this member's uplink, as measured (None: not
+    /// measured yet). The phases after the contribution wait `round_timeout` plus what
+    /// sending this member's shares takes at that pace, twice (its shares out, then the part
+    /// it owns to every member): a large stage on a home uplink needs far longer than the
+    /// fixed timeout, and a fixed timeout there leaves out every member, round after round.
+    pub(super) upload_pace: Option<f64>,
+    /// What sending this member's shares takes at `upload_pace` (set on contributing).
+    transfer: Duration,
     missing_answers: BTreeMap<u32, BTreeSet<PeerKey>>,
     started: Duration,
     deadline: Option<Duration>,
@@ -230,6 +242,8 @@ impl Round {
             own: Vec::new(),
             forge_part: false,
             exclude_others: false,
+            upload_pace: None,
+            transfer: Duration::ZERO,
             missing_answers: BTreeMap::new(),
             started: now,
             deadline: None,
@@ -434,6 +448,7 @@ impl Round {
         self.started = now;
         self.feedback.begin(self.len);
         let mut buf = Vec::new();
+        let mut sent = 0;
         for j in 0..self.group.len() {
             let r = self.range(j);
             if j == me {
@@ -450,6 +465,7 @@ impl Round {
                 .encode_share(&mut self.encoder, share, r, self.len, &mut buf)
                 .is_ok()
             {
+                sent += buf.len();
                 self.out.push_back(RoundOut::Send(
                     self.group[j],
                     RoundMsg::Part {
@@ -468,12 +484,23 @@ impl Round {
             }
         }
         self.phase = Phase::Exchanging;
-        self.deadline = Some(now + self.timing.round_timeout);
+        let pace = self.upload_pace.filter(|p| p.is_finite() && *p > 0.0);
+        // Bounded: a pace measured absurdly slow must not hold a round for days.
+        self.transfer = pace.map_or(Duration::ZERO, |p| {
+            Duration::from_secs_f64((p * sent as f64).min(MAX_TRANSFER.as_secs_f64()))
+        });
+        self.deadline = Some(now + self.patience());
         for (from, msg) in std::mem::take(&mut self.early) {
             self.handle(from, msg, now);
         }
         self.maybe_reduce(now, false);
         self.maybe_finish(now);
+    }
+
+    /// How long the phases that move values wait: the round timeout, and this member's
+    /// shares out and its part back at the pace its uplink was measured at.
+    fn patience(&self) -> Duration {
+        self.timing.round_timeout + 2 * self.transfer
     }
 
     fn violation(&mut self, from: PeerKey, what: &'static str) {
@@ -816,7 +843,7 @@ impl Round {
                 self.maybe_reduce(now, true);
                 self.maybe_finish(now);
                 if self.phase == Phase::Exchanging {
-                    self.deadline = Some(now + self.timing.round_timeout / 2);
+                    self.deadline = Some(now + self.patience() / 2);
                 }
             }
             Phase::Exchanging => self.start_filling(now),

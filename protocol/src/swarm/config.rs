@@ -219,9 +219,21 @@ pub struct StageCosts {
     /// Device memory one more microbatch in flight takes on each stage (its activations kept
     /// for the backward pass).
     pub microbatch_memory: Vec<u64>,
+    /// Bytes on the wire per byte of a parameter-sized tensor as this peer holds it: 1,
+    /// except in netsim's modelled compute, which carries gradients, averaged parts,
+    /// catch-ups and states at 1/`param_scale` of their size (`params` counts the values
+    /// carried) and charges its links for the full size, so that a simulated swarm's memory
+    /// does not grow with the model.
+    pub param_scale: usize,
 }
 
 impl StageCosts {
+    /// Bytes per state chunk: [`super::transfer::CHUNK_BYTES`] of the real state, so a
+    /// scaled-down state (see `param_scale`) is cut into as many chunks as the real one.
+    pub fn state_chunk_bytes(&self) -> usize {
+        (super::transfer::CHUNK_BYTES / self.param_scale.max(1)).max(1)
+    }
+
     /// Upper bound of a stage's exported state in bytes (params, two AdamW moments, DiLoCo
     /// anchor and momentum, plus framing).
     pub fn max_state_bytes(&self, stage: usize) -> usize {

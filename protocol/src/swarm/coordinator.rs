@@ -184,6 +184,12 @@ impl StepCoordinator {
         self.round
     }
 
+    /// Seconds per byte of encoded round values on this replica's uplink, as measured: how
+    /// long its next contribution's round waits for values to move.
+    pub fn set_upload_pace(&mut self, secs_per_byte: Option<f64>) {
+        self.rounds.upload_pace = secs_per_byte;
+    }
+
     /// Scripted misbehaviour (see [`super::attack`]): whether this replica's rounds negate
     /// the part it owns, and leave the others out when it leads.
     pub fn misbehave(&mut self, forge_parts: bool, exclude_others: bool) {

@@ -820,6 +820,7 @@ mod tests {
             activation_values: 1,
             memory: vec![1000; 2],
             microbatch_memory: vec![100; 2],
+            param_scale: 1,
         };
         // Two drivers at stage 0; stage 1's replicas with this throughput, the first with this
         // much memory.

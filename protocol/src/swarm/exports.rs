@@ -75,18 +75,20 @@ struct Snapshot {
     released: BTreeSet<PeerKey>,
     /// When a chunk of it was last asked for.
     used: Duration,
+    chunk_bytes: usize,
 }
 
 impl Snapshot {
     /// How many chunks it is cut into.
     fn chunks(&self) -> u32 {
-        chunk_count(self.bytes.len() as u64)
+        chunk_count(self.bytes.len() as u64, self.chunk_bytes)
     }
 
     /// Chunk `index` of it, None past its end.
     fn cut(&self, index: u32) -> Option<StateChunk> {
         let at = self.at;
-        chunk(at.stage, at.step, at.round, self.hash, &self.bytes, index)
+        let cut = (index, self.chunk_bytes);
+        chunk(at.stage, at.step, at.round, self.hash, &self.bytes, cut)
     }
 
     /// Whether chunk `index` may go to `to` (within `to`'s allowance); counts it if so.
@@ -128,11 +130,14 @@ pub(super) struct StateExports {
     paced: VecDeque<(PeerKey, u64, u32)>,
     /// When the upload limit lets the next chunk go.
     next_send: Duration,
+    /// Bytes per chunk (see [`crate::swarm::StageCosts::state_chunk_bytes`]).
+    chunk_bytes: usize,
 }
 
 impl StateExports {
-    /// Exports serving each requester at most once per `every`.
-    pub fn new(every: Duration) -> Self {
+    /// Exports serving each requester at most once per `every`, cut in chunks of
+    /// `chunk_bytes`.
+    pub fn new(every: Duration, chunk_bytes: usize) -> Self {
         StateExports {
             every,
             running: 0,
@@ -144,6 +149,7 @@ impl StateExports {
             limit: None,
             paced: VecDeque::new(),
             next_send: Duration::ZERO,
+            chunk_bytes: chunk_bytes.max(1),
         }
     }
 
@@ -315,6 +321,7 @@ impl StateExports {
             sent: BTreeMap::from([(to, 0)]),
             released: BTreeSet::new(),
             used: now,
+            chunk_bytes: self.chunk_bytes,
         });
         let first = self.first.remove(&to).unwrap_or(0);
         self.send_first(out, self.snapshots.len() - 1, to, first, now);
@@ -411,6 +418,7 @@ impl StateExports {
 mod tests {
     use super::*;
     use crate::swarm::fixtures::jobs;
+    use crate::swarm::transfer::CHUNK_BYTES;
 
     const S: Duration = Duration::from_secs(1);
     const AT: At = At {
@@ -427,11 +435,7 @@ mod tests {
                 crate::swarm::Action::Send {
                     to,
                     msg: Message::StateChunk(c),
-                } => Some((
-                    to.0,
-                    c.offset / crate::swarm::transfer::CHUNK_BYTES as u64,
-                    c.step,
-                )),
+                } => Some((to.0, c.offset / CHUNK_BYTES as u64, c.step)),
                 _ => None,
             })
             .collect()
@@ -449,7 +453,7 @@ mod tests {
 
     #[test]
     fn exports_are_few_at_a_time_never_mid_round_and_once_per_requester() {
-        let mut e = StateExports::new(30 * S);
+        let mut e = StateExports::new(30 * S, CHUNK_BYTES);
         let mut out = Outbox::new(PeerKey(1));
         // Mid-round: wait.
         e.request(&mut out, PeerKey(7), 0, None, AT, true, S);
@@ -473,7 +477,7 @@ mod tests {
         e.request(&mut out, PeerKey(7), 0, None, AT, false, 32 * S);
         assert_eq!(exports(&mut out), [7]);
         // The wait is bounded: a flood of fresh keys does not grow it.
-        let mut e = StateExports::new(30 * S);
+        let mut e = StateExports::new(30 * S, CHUNK_BYTES);
         for k in 0..10_000 {
             e.request(&mut out, PeerKey(100 + k), 0, None, AT, true, S);
         }
@@ -482,8 +486,7 @@ mod tests {
 
     #[test]
     fn a_snapshot_serves_chunks_as_asked_within_an_allowance_until_unused() {
-        use crate::swarm::transfer::CHUNK_BYTES;
-        let mut e = StateExports::new(30 * S);
+        let mut e = StateExports::new(30 * S, CHUNK_BYTES);
         let mut out = Outbox::new(PeerKey(1));
         e.request(&mut out, PeerKey(7), 2, None, AT, false, S);
         assert_eq!(exports(&mut out), [7]);
@@ -529,7 +532,7 @@ mod tests {
 
     #[test]
     fn the_least_recently_used_snapshot_makes_room() {
-        let mut e = StateExports::new(30 * S);
+        let mut e = StateExports::new(30 * S, CHUNK_BYTES);
         let mut out = Outbox::new(PeerKey(1));
         for (k, step) in [(7, 4), (8, 5), (9, 6)] {
             let at = At {
@@ -546,7 +549,7 @@ mod tests {
 
     #[test]
     fn a_requester_that_asks_again_goes_on_with_its_snapshot() {
-        let mut e = StateExports::new(30 * S);
+        let mut e = StateExports::new(30 * S, CHUNK_BYTES);
         let mut out = Outbox::new(PeerKey(1));
         e.request(&mut out, PeerKey(7), 0, None, AT, false, S);
         e.exported(&mut out, PeerKey(7), AT, vec![1; 10], S);
@@ -575,8 +578,7 @@ mod tests {
 
     #[test]
     fn an_upload_limit_spaces_chunks_out() {
-        use crate::swarm::transfer::CHUNK_BYTES;
-        let mut e = StateExports::new(30 * S);
+        let mut e = StateExports::new(30 * S, CHUNK_BYTES);
         e.set_upload_limit(Some(CHUNK_BYTES as f64)); // a chunk a second
         let mut out = Outbox::new(PeerKey(1));
         let state = vec![5u8; 3 * CHUNK_BYTES];
@@ -600,7 +602,7 @@ mod tests {
 
     #[test]
     fn a_snapshot_released_by_its_downloaders_is_dropped_but_its_rounds_are_kept_a_while() {
-        let mut e = StateExports::new(30 * S);
+        let mut e = StateExports::new(30 * S, CHUNK_BYTES);
         let mut out = Outbox::new(PeerKey(1));
         e.exported(&mut out, PeerKey(7), AT, vec![1; 10], S);
         e.request(&mut out, PeerKey(8), 0, None, AT, false, S);

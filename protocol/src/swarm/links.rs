@@ -90,6 +90,22 @@ impl Links {
         });
     }
 
+    /// Seconds per byte this peer's sends take, the median over the links measured (None
+    /// before any is): its uplink's pace with the traffic it carries, robust to one slow
+    /// receiver.
+    pub fn upload_pace(&self) -> Option<f64> {
+        let mut paces: Vec<f64> = self
+            .links
+            .values()
+            .filter_map(|l| l.secs_per_byte)
+            .collect();
+        if paces.is_empty() {
+            return None;
+        }
+        paces.sort_by(f64::total_cmp);
+        Some(paces[paces.len() / 2])
+    }
+
     /// Forgets `peer` (it left or was banned).
     pub fn forget(&mut self, peer: PeerKey) {
         self.links.remove(&peer);
@@ -169,6 +185,20 @@ mod tests {
         links.delivered(P, 100, 40 * MS);
         assert_eq!(links.rate(P), Some(rate));
         assert_eq!(links.links[&P].rtt, Some(40 * MS));
+    }
+
+    /// The uplink's pace is the median link's: one receiver on a slow downlink does not make
+    /// this peer's rounds wait as if its own uplink were slow.
+    #[test]
+    fn the_upload_pace_is_the_median_links() {
+        let mut links = Links::default();
+        assert_eq!(links.upload_pace(), None);
+        for (peer, secs_per_mb) in [(1, 0.1), (2, 0.08), (3, 5.0)] {
+            links.rtt(PeerKey(peer), 10 * MS);
+            links.delivered(PeerKey(peer), 1_000_000, 10 * MS + secs(secs_per_mb));
+        }
+        let pace = links.upload_pace().unwrap();
+        assert!((pace * 1e6 - 0.1).abs() < 1e-9, "{pace}");
     }
 
     #[test]

@@ -428,6 +428,25 @@ impl Message {
         Some(header.encoding.to_string())
     }
 
+    /// Bytes of parameter-sized tensors in the message (averaging parts, averaged parts,
+    /// catch-ups, state chunks): what netsim's modelled compute scales (see
+    /// [`super::StageCosts::param_scale`]).
+    pub fn parameter_bytes(&self) -> usize {
+        match self {
+            Message::Round {
+                msg: RoundMsg::Part { data, .. },
+                ..
+            }
+            | Message::CatchUp { data, .. } => data.len(),
+            Message::Round {
+                msg: RoundMsg::Averaged { data, .. },
+                ..
+            } => data.len(),
+            Message::StateChunk(c) => c.data.len(),
+            _ => 0,
+        }
+    }
+
     /// Which kind of traffic a message is, for byte accounting.
     pub fn traffic(&self) -> Traffic {
         match self {

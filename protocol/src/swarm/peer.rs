@@ -106,7 +106,7 @@ impl Peer {
             driver: Driver::new(seed.rotate_left(29) ^ me.0 ^ 0xD121_7E55_A77E_4D15, now),
             server: StageServer::default(),
             steps: StepCoordinator::new(settings, config.codecs.averaging, now),
-            exports: StateExports::new(timing.transfer_timeout),
+            exports: StateExports::new(timing.transfer_timeout, costs.state_chunk_bytes()),
             bans: Bans::new(timing.announce_every * ACCUSATION_ANNOUNCEMENTS),
             attack: None,
             finish_reported: false,
@@ -617,6 +617,11 @@ impl Peer {
                 if let Some(a) = self.attack.as_mut() {
                     a.contribution(&mut values);
                 }
+                // The rounds' values travel scaled down in netsim's modelled compute (see
+                // `StageCosts::param_scale`): their pace is per byte carried.
+                let scale = self.costs.param_scale.max(1) as f64;
+                let pace = self.links.upload_pace().map(|p| p * scale);
+                self.steps.set_upload_pace(pace);
                 if self.steps.on_gradient(values, samples, now) {
                     self.send_progress();
                 }

@@ -166,7 +166,7 @@ impl Role {
         &mut self,
         stage: u32,
         sources: &[PeerKey],
-        max_bytes: usize,
+        (max_bytes, chunk_bytes): (usize, usize),
         now: Duration,
         timeout: Duration,
     ) -> Vec<(PeerKey, Message)> {
@@ -176,7 +176,8 @@ impl Role {
             source: None,
             deadline: now + timeout,
         };
-        self.download = (!sources.is_empty()).then(|| Download::new(stage, max_bytes));
+        self.download =
+            (!sources.is_empty()).then(|| Download::with_chunks(stage, max_bytes, chunk_bytes));
         self.add_sources(sources, now, timeout)
     }
 
@@ -525,6 +526,7 @@ mod tests {
             activation_values: 1,
             memory: vec![0; stages],
             microbatch_memory: vec![0; stages],
+            param_scale: 1,
         }
     }
 
@@ -607,7 +609,7 @@ mod tests {
         let asks = r.sync(
             1,
             &[PeerKey(9)],
-            1 << 20,
+            (1 << 20, CHUNK_BYTES),
             Duration::ZERO,
             t.transfer_timeout,
         );
@@ -628,7 +630,7 @@ mod tests {
         r.sync(
             1,
             &[PeerKey(8)],
-            1 << 20,
+            (1 << 20, CHUNK_BYTES),
             t.transfer_timeout,
             t.transfer_timeout,
         );
@@ -643,7 +645,7 @@ mod tests {
         let asks = r.sync(
             1,
             &[PeerKey(9), PeerKey(7)],
-            1 << 24,
+            (1 << 24, CHUNK_BYTES),
             Duration::ZERO,
             t.transfer_timeout,
         );
@@ -667,7 +669,7 @@ mod tests {
         assert_eq!(r.announced(), (Some(1), MemberState::Syncing));
         let state = vec![7u8; CHUNK_BYTES + 100];
         let hash = state_hash(&state);
-        let cut = |i| chunk(1, 4, 4, hash, &state, i).unwrap();
+        let cut = |i| chunk(1, 4, 4, hash, &state, (i, CHUNK_BYTES)).unwrap();
         assert_eq!(
             r.on_chunk(PeerKey(8), cut(0), &t, MS),
             ChunkOutcome::Pending
@@ -715,7 +717,7 @@ mod tests {
         r.sync(
             0,
             &[PeerKey(9)],
-            1 << 24,
+            (1 << 24, CHUNK_BYTES),
             Duration::ZERO,
             t.transfer_timeout,
         );

@@ -45,6 +45,9 @@ pub(super) struct Rounds {
     pub exclude_others: bool,
     /// Banned peers: members no round waits for.
     banned: std::collections::BTreeSet<PeerKey>,
+    /// Seconds per byte of this replica's encoded shares on its uplink, as measured: given
+    /// to the round it contributes to.
+    pub upload_pace: Option<f64>,
     /// This replica is new to its stage (it started from a state the others trained and has
     /// not finished a round with them yet): it does not lead, but joins the round of the leader
     /// the replicas already there follow. Were it to lead, it and the other joiners, whom
@@ -79,6 +82,7 @@ impl Rounds {
             forge_parts: false,
             exclude_others: false,
             banned: std::collections::BTreeSet::new(),
+            upload_pace: None,
             newcomer: false,
         }
     }
@@ -400,6 +404,7 @@ impl Rounds {
     /// This replica's contribution to the current round.
     pub fn contribute(&mut self, values: Vec<f32>, samples: f64, loss: Option<f64>, now: Duration) {
         if let Some(r) = self.current.as_mut() {
+            r.upload_pace = self.upload_pace;
             r.contribute(values, samples, loss, now);
         }
     }

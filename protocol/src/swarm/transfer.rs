@@ -30,26 +30,27 @@ pub const WINDOW: usize = 4;
 /// Replicas asked for the state at once, at most.
 pub const MAX_SOURCES: usize = 3;
 
-/// How many chunks a state of `total` bytes has (an empty state is one empty chunk).
-pub fn chunk_count(total: u64) -> u32 {
-    (total as usize).div_ceil(CHUNK_BYTES).max(1) as u32
+/// How many chunks of `chunk_bytes` a state of `total` bytes has (an empty state is one
+/// empty chunk).
+pub fn chunk_count(total: u64, chunk_bytes: usize) -> u32 {
+    (total as usize).div_ceil(chunk_bytes.max(1)).max(1) as u32
 }
 
-/// Chunk `index` of `state` (of stage `stage`, `step` steps and `round` rounds old, hashing
-/// to `hash`), or None past its end.
+/// Chunk `index` (of `chunk_bytes`) of `state` (of stage `stage`, `step` steps and `round`
+/// rounds old, hashing to `hash`), or None past its end.
 pub fn chunk(
     stage: u32,
     step: u64,
     round: u64,
     hash: u64,
     state: &[u8],
-    index: u32,
+    (index, chunk_bytes): (u32, usize),
 ) -> Option<StateChunk> {
-    if index >= chunk_count(state.len() as u64) {
+    if index >= chunk_count(state.len() as u64, chunk_bytes) {
         return None;
     }
-    let offset = index as usize * CHUNK_BYTES;
-    let end = (offset + CHUNK_BYTES).min(state.len());
+    let offset = index as usize * chunk_bytes;
+    let end = (offset + chunk_bytes).min(state.len());
     Some(StateChunk {
         stage,
         step,
@@ -146,6 +147,7 @@ struct Source {
 pub struct Download {
     stage: u32,
     max_bytes: usize,
+    chunk_bytes: usize,
     version: Option<Version>,
     /// Whose version it is.
     origin: Option<PeerKey>,
@@ -166,11 +168,18 @@ pub struct Download {
 }
 
 impl Download {
-    /// Expects the state of `stage`, at most `max_bytes` long.
+    /// Expects the state of `stage`, at most `max_bytes` long, in chunks of [`CHUNK_BYTES`].
     pub fn new(stage: u32, max_bytes: usize) -> Self {
+        Self::with_chunks(stage, max_bytes, CHUNK_BYTES)
+    }
+
+    /// Expects the state of `stage`, at most `max_bytes` long, in chunks of `chunk_bytes`
+    /// (see [`super::StageCosts::state_chunk_bytes`]).
+    pub fn with_chunks(stage: u32, max_bytes: usize, chunk_bytes: usize) -> Self {
         Download {
             stage,
             max_bytes,
+            chunk_bytes: chunk_bytes.max(1),
             version: None,
             origin: None,
             bytes: Vec::new(),
@@ -282,7 +291,7 @@ impl Download {
         self.origin = Some(origin);
         // Memory is bounded by the stage's size, checked before.
         self.bytes = vec![0; version.total as usize];
-        self.filled = vec![false; chunk_count(version.total) as usize];
+        self.filled = vec![false; chunk_count(version.total, self.chunk_bytes) as usize];
         self.received = 0;
         self.senders.clear();
         for s in self.sources.values_mut() {
@@ -328,13 +337,13 @@ impl Download {
             self.adopt(version, from);
         }
         let offset = chunk.offset as usize;
-        let index = offset / CHUNK_BYTES;
-        let expected_len = (self.bytes.len() - offset.min(self.bytes.len())).min(CHUNK_BYTES);
+        let index = offset / self.chunk_bytes;
+        let expected_len = (self.bytes.len() - offset.min(self.bytes.len())).min(self.chunk_bytes);
         // Every chunk but the one of an empty state starts inside the state: an empty chunk
         // at the very end (a state whose size is a multiple of the chunk size) is out of
         // place, not a chunk with no slot.
         let inside = offset < self.bytes.len() || (offset == 0 && self.bytes.is_empty());
-        if !offset.is_multiple_of(CHUNK_BYTES) || !inside || chunk.data.len() != expected_len {
+        if !offset.is_multiple_of(self.chunk_bytes) || !inside || chunk.data.len() != expected_len {
             return refuse(self, TransferError::OutOfPlace);
         }
         let source = self.sources.get_mut(&from).expect("checked above");
@@ -433,7 +442,7 @@ mod tests {
 
     /// A replica's snapshot of `s` at `step`.
     fn cut(s: &[u8], step: u64, index: u32) -> StateChunk {
-        chunk(2, step, step, state_hash(s), s, index).unwrap()
+        chunk(2, step, step, state_hash(s), s, (index, CHUNK_BYTES)).unwrap()
     }
 
     /// Serves every request from the sources in `snapshots` (those not in it are silent)
@@ -468,7 +477,7 @@ mod tests {
     #[test]
     fn chunks_reassemble_in_any_order() {
         let s = state(3 * CHUNK_BYTES + 123);
-        assert_eq!(chunk_count(s.len() as u64), 4);
+        assert_eq!(chunk_count(s.len() as u64, CHUNK_BYTES), 4);
         let mut d = Download::new(2, s.len());
         d.ask(PeerKey(1), S);
         let mut done = None;
@@ -481,13 +490,13 @@ mod tests {
         let done = done.unwrap();
         assert_eq!((done.step, done.round, done.source), (10, 10, PeerKey(1)));
         assert_eq!(done.bytes, s);
-        assert!(chunk(2, 0, 0, 0, &s, 4).is_none());
+        assert!(chunk(2, 0, 0, 0, &s, (4, CHUNK_BYTES)).is_none());
     }
 
     #[test]
     fn sources_of_one_version_share_the_work_and_a_lost_one_costs_nothing_held() {
         let s = state(40 * CHUNK_BYTES + 5);
-        let n = chunk_count(s.len() as u64) as u64;
+        let n = chunk_count(s.len() as u64, CHUNK_BYTES) as u64;
         let mut d = Download::new(2, s.len());
         for k in 1..=3 {
             d.ask(PeerKey(k), S);

@@ -136,6 +136,7 @@ impl Exercise {
             activation_values: ACTS_PER_ROW,
             memory: vec![0; STAGES as usize],
             microbatch_memory: vec![0; STAGES as usize],
+            param_scale: 1,
         };
         let mut peer = Peer::new(ME, config(sync), costs, timing(), 11, None, Duration::ZERO);
         peer.set_first_stage(stage);

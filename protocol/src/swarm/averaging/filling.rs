@@ -35,7 +35,7 @@ impl Round {
             }
         }
         self.phase = Phase::Filling;
-        self.deadline = Some(now + self.timing.round_timeout / 2);
+        self.deadline = Some(now + self.patience() / 2);
         self.maybe_give_up_fill(now);
     }
 

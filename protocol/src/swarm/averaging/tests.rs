@@ -32,6 +32,17 @@ fn round_among(
     late: Option<(usize, Duration)>,
     withheld: impl Fn(usize, &RoundMsg) -> bool,
 ) -> Vec<Option<(RoundResult, Duration)>> {
+    round_paced(n, kill, late, withheld, None)
+}
+
+/// [`round_among`] with every member's uplink measured at `pace` seconds per byte.
+fn round_paced(
+    n: usize,
+    kill: Option<(usize, Vanish)>,
+    late: Option<(usize, Duration)>,
+    withheld: impl Fn(usize, &RoundMsg) -> bool,
+    pace: Option<f64>,
+) -> Vec<Option<(RoundResult, Duration)>> {
     let key = RoundKey { stage: 0, index: 0 };
     let keys: Vec<PeerKey> = (0..n as u64).map(PeerKey).collect();
     let t = timing();
@@ -75,6 +86,7 @@ fn round_among(
             let slow = late.is_some_and(|(k, at)| k == i && now < at);
             if asked[i] && !slow {
                 asked[i] = false;
+                rounds[i].upload_pace = pace;
                 rounds[i].contribute(contribution(i), (i + 1) as f64, None, now);
             }
             while let Some(out) = rounds[i].poll() {
@@ -141,6 +153,21 @@ fn a_part_the_others_gave_up_on_is_dropped_by_its_owner_too() {
         !part.is_empty() && part.iter().all(|v| *v == 0.0)
     });
     assert_eq!(dropped.count(), 1, "{:?}", results[0]);
+}
+
+/// The same slow member where every uplink was measured slow (its shares take about a second
+/// to send, three round timeouts): the round waits for what the uplinks need, and nothing
+/// is dropped. Left at the fixed timeout, a large stage on home uplinks lost its members'
+/// shares round after round.
+#[test]
+fn a_round_on_slow_uplinks_waits_for_what_they_need() {
+    let results = round_paced(3, None, Some((2, 900 * MS)), |_, _| false, Some(0.01));
+    let on_time = round_among(3, None, None, |_, _| false);
+    for (r, t) in results.iter().zip(&on_time) {
+        let (r, t) = (r.as_ref().expect("finished"), t.as_ref().expect("finished"));
+        assert!(r.0.left_out.is_empty() && r.0.zeroed.is_empty() && r.0.refused.is_empty());
+        assert_eq!(r.0.averaged, t.0.averaged);
+    }
 }
 
 /// Whether `r`'s evidence says `peer` delivered its work.

@@ -35,9 +35,12 @@ impl Peer {
     pub(super) fn start_sync(&mut self, stage: u32, sources: &[PeerKey], now: Duration) {
         self.abandon_stage_work();
         self.steps.set_elders(self.members.replicas(stage));
-        let max_bytes = self.costs.max_state_bytes(stage as usize);
+        let size = (
+            self.costs.max_state_bytes(stage as usize),
+            self.costs.state_chunk_bytes(),
+        );
         let timeout = self.timing.transfer_timeout;
-        for (k, m) in self.role.sync(stage, sources, max_bytes, now, timeout) {
+        for (k, m) in self.role.sync(stage, sources, size, now, timeout) {
             self.out.send(k, m);
         }
     }
