@@ -268,6 +268,9 @@ pub struct Sim {
     moves: Vec<(f64, usize, u32, u32)>,
     /// The slowest stage's capacity at the first step.
     slowest_at_first_step: Option<f64>,
+    /// Print every peer's protocol events to stderr (`SHOAL_NETSIM_EVENTS` set): what a
+    /// seed's run did, to replay one that went wrong.
+    log_events: bool,
 }
 
 impl Sim {
@@ -316,6 +319,7 @@ impl Sim {
             gone_stats: Vec::new(),
             moves: Vec::new(),
             slowest_at_first_step: None,
+            log_events: std::env::var_os("SHOAL_NETSIM_EVENTS").is_some(),
             setup,
         };
         for (i, g) in sim.setup.groups.clone().iter().enumerate() {
@@ -829,6 +833,9 @@ impl Sim {
     }
 
     fn on_event(&mut self, i: usize, e: Event) {
+        if self.log_events {
+            eprintln!("{:10.3} s  peer {i}: {e:?}", self.now_s());
+        }
         let last = self.config.stages - 1;
         let stage = self.peers[i].machine.stage();
         match e {

@@ -294,6 +294,7 @@ fn the_shipped_scenarios_are_valid() {
             "regions",
             "regions-nano",
             "scale",
+            "thousand",
             "uneven",
             "wan"
         ]
@@ -436,9 +437,15 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
         // Measured (seed 1): within +0.6% (`stale:4`, `bad-leader`), the others within 0.2%,
         // but `label-flip`, which poisons the shares upstream through its activation
         // gradients until its ban (seeds 1-8: +0.9% to +2.1%; +0.7% to +3.9% with the build
-        // before the vote settled early).
+        // before the vote settled early), and `nan`, whose withheld shares fail rounds and
+        // drop microbatches until its ban (seeds 1-4: +0.2% to +2.4%; which microbatches are
+        // dropped moves with any change of timing).
         let loss = r.final_loss.expect("a loss");
-        let bound = if behavior == "label-flip" { 1.03 } else { 1.02 };
+        let bound = if matches!(behavior, "label-flip" | "nan") {
+            1.03
+        } else {
+            1.02
+        };
         assert!(
             loss < honest_loss * bound,
             "{behavior}: loss {loss} against {honest_loss} honest"

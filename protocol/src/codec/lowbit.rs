@@ -36,53 +36,67 @@ pub(super) fn payload_len(n: usize, bits: u8, block: u32) -> usize {
 
 /// Appends the encoding of `input` (finite) to `out`.
 pub(super) fn write(input: &[f32], bits: u8, block: u32, out: &mut Vec<u8>) {
-    let l = top(bits);
-    // The scales go first on the wire; the values are packed from them as written.
-    let scales_at = out.len();
-    for x in input.chunks(block as usize) {
-        let absmax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        out.extend_from_slice(&(absmax / l as f32).to_le_bytes());
+    match bits {
+        2 => write_packed::<2>(input, block as usize, out),
+        _ => write_packed::<4>(input, block as usize, out),
     }
-    let per_byte = 8 / bits as usize;
-    let mut byte = 0u8;
-    let mut filled = 0;
-    for (b, x) in input.chunks(block as usize).enumerate() {
-        let at = scales_at + 4 * b;
-        let scale = f32::from_le_bytes([out[at], out[at + 1], out[at + 2], out[at + 3]]);
+}
+
+/// [`write`] at `BITS` bits (a constant, so that packing is shifts and the loops vectorise:
+/// these codecs run on every activation of a slow hop).
+fn write_packed<const BITS: usize>(input: &[f32], block: usize, out: &mut Vec<u8>) {
+    let l = top(BITS as u8);
+    // The scales go first on the wire; the values are packed after them.
+    let scales: Vec<f32> = input
+        .chunks(block)
+        .map(|x| x.iter().fold(0f32, |m, v| m.max(v.abs())) / l as f32)
+        .collect();
+    for s in &scales {
+        out.extend_from_slice(&s.to_le_bytes());
+    }
+    let mut codes = Vec::with_capacity(input.len());
+    for (x, &scale) in input.chunks(block).zip(&scales) {
         let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        for &v in x {
-            let q = ((v * inv).round() as i32).clamp(-l, l) + l;
-            byte |= (q as u8) << (filled * bits as usize);
-            filled += 1;
-            if filled == per_byte {
-                out.push(byte);
-                byte = 0;
-                filled = 0;
-            }
-        }
+        // To nearest, halves away from zero, by truncating after adding half of the value's
+        // sign (`f32::round` is a library call per value here); the clamp bounds what the
+        // rounding of `v * inv` may carry past the top level.
+        codes.extend(x.iter().map(|&v| {
+            let r = v * inv;
+            (((r + 0.5f32.copysign(r)) as i32).clamp(-l, l) + l) as u8
+        }));
     }
-    if filled > 0 {
-        out.push(byte);
-    }
+    out.extend(codes.chunks(8 / BITS).map(|c| {
+        c.iter()
+            .enumerate()
+            .fold(0u8, |byte, (k, &q)| byte | (q << (k * BITS)))
+    }));
 }
 
 /// Decodes a payload whose length the header has checked ([`payload_len`]).
 pub(super) fn read(payload: &[u8], bits: u8, block: u32, out: &mut [f32]) {
-    let l = top(bits);
-    let blocks = out.len().div_ceil(block as usize);
+    match bits {
+        2 => read_packed::<2>(payload, block as usize, out),
+        _ => read_packed::<4>(payload, block as usize, out),
+    }
+}
+
+/// [`read`] at `BITS` bits.
+fn read_packed<const BITS: usize>(payload: &[u8], block: usize, out: &mut [f32]) {
+    let l = top(BITS as u8);
+    let blocks = out.len().div_ceil(block);
     let (scales, values) = payload.split_at(4 * blocks);
-    let per_byte = 8 / bits as usize;
-    let mask = (1u8 << bits) - 1;
+    let per_byte = 8 / BITS;
+    let mask = (1u8 << BITS) - 1;
     for (b, (o, s)) in out
-        .chunks_mut(block as usize)
+        .chunks_mut(block)
         .zip(scales.chunks_exact(4))
         .enumerate()
     {
         let scale = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-        let first = b * block as usize;
+        let first = b * block;
         for (i, o) in o.iter_mut().enumerate() {
             let at = first + i;
-            let code = (values[at / per_byte] >> ((at % per_byte) * bits as usize)) & mask;
+            let code = (values[at / per_byte] >> ((at % per_byte) * BITS)) & mask;
             *o = (i32::from(code) - l) as f32 * scale;
         }
     }

@@ -177,8 +177,8 @@ pub struct Round {
     /// point against its share, against the others); leading, leave the others out.
     pub(super) forge_part: bool,
     pub(super) exclude_others: bool,
-    /// Seconds per byte of encoded shares on this member's uplink, as measured (None: not
-    /// measured yet). The phases after the contribution wait `round_timeout` plus what
+    /// Seconds per byte of encoded shares on this member's uplink (see
+    /// [`crate::swarm::links::Links::upload_pace`]). The phases after the contribution wait `round_timeout` plus what
     /// sending this member's shares takes at that pace, twice (its shares out, then the part
     /// it owns to every member): a large stage on a home uplink needs far longer than the
     /// fixed timeout, and a fixed timeout there leaves out every member, round after round.

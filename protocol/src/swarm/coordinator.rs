@@ -186,8 +186,8 @@ impl StepCoordinator {
 
     /// Seconds per byte of encoded round values on this replica's uplink, as measured: how
     /// long its next contribution's round waits for values to move.
-    pub fn set_upload_pace(&mut self, secs_per_byte: Option<f64>) {
-        self.rounds.upload_pace = secs_per_byte;
+    pub fn set_upload_pace(&mut self, secs_per_byte: f64) {
+        self.rounds.upload_pace = Some(secs_per_byte);
     }
 
     /// Scripted misbehaviour (see [`super::attack`]): whether this replica's rounds negate

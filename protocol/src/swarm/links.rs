@@ -24,6 +24,11 @@ use crate::{Codec, HopCodec};
 /// Messages from this size on measure the rate (smaller ones are mostly round trip).
 pub const RATE_SAMPLE_BYTES: u64 = 32 * 1024;
 
+/// Seconds per byte of an uplink not measured yet: a slow home uplink's, 10 Mbit/s. What
+/// waits on it (an averaging round) waits too long only when a peer is silently gone; too
+/// short, it gives up on every peer.
+pub const UNMEASURED_PACE: f64 = 8.0 / 10e6;
+
 /// Weight of a new rate sample in the moving average.
 const RATE_WEIGHT: f64 = 0.25;
 
@@ -90,20 +95,21 @@ impl Links {
         });
     }
 
-    /// Seconds per byte this peer's sends take, the median over the links measured (None
-    /// before any is): its uplink's pace with the traffic it carries, robust to one slow
-    /// receiver.
-    pub fn upload_pace(&self) -> Option<f64> {
+    /// Seconds per byte this peer's sends take, the median over the links measured: its
+    /// uplink's pace with the traffic it carries, robust to one slow receiver. Before any
+    /// is measured (a one-stage run's first round sends nothing large before it),
+    /// [`UNMEASURED_PACE`].
+    pub fn upload_pace(&self) -> f64 {
         let mut paces: Vec<f64> = self
             .links
             .values()
             .filter_map(|l| l.secs_per_byte)
             .collect();
         if paces.is_empty() {
-            return None;
+            return UNMEASURED_PACE;
         }
         paces.sort_by(f64::total_cmp);
-        Some(paces[paces.len() / 2])
+        paces[paces.len() / 2]
     }
 
     /// Forgets `peer` (it left or was banned).
@@ -192,12 +198,12 @@ mod tests {
     #[test]
     fn the_upload_pace_is_the_median_links() {
         let mut links = Links::default();
-        assert_eq!(links.upload_pace(), None);
+        assert_eq!(links.upload_pace(), UNMEASURED_PACE);
         for (peer, secs_per_mb) in [(1, 0.1), (2, 0.08), (3, 5.0)] {
             links.rtt(PeerKey(peer), 10 * MS);
             links.delivered(PeerKey(peer), 1_000_000, 10 * MS + secs(secs_per_mb));
         }
-        let pace = links.upload_pace().unwrap();
+        let pace = links.upload_pace();
         assert!((pace * 1e6 - 0.1).abs() < 1e-9, "{pace}");
     }
 

@@ -7,7 +7,9 @@ use super::{PeerKey, SeededRng};
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
+mod gossip;
 mod routing;
+pub use gossip::{FAR_PER_PERIOD, Gossip, NEAR_PER_PERIOD, Plan, SMALL_SWARM, Timeouts};
 pub use routing::{Dealer, Routing, STRAGGLER_FACTOR, UNMEASURED_LATE, route_weights};
 
 /// What is known of one other peer.
@@ -332,12 +334,12 @@ impl Membership {
         move |k| !any || self.is_checked(k)
     }
 
-    /// Forgets peers silent for longer than `timeout`; returns them.
-    pub fn expire(&mut self, now: Duration, timeout: Duration) -> Vec<PeerKey> {
+    /// Forgets peers silent for longer than `timeout` says for each; returns them.
+    pub fn expire(&mut self, now: Duration, timeout: impl Fn(&Member) -> Duration) -> Vec<PeerKey> {
         let gone: Vec<PeerKey> = self
             .members
             .iter()
-            .filter(|(_, m)| now.saturating_sub(m.last_seen) > timeout)
+            .filter(|(_, m)| now.saturating_sub(m.last_seen) > timeout(m))
             .map(|(k, _)| *k)
             .collect();
         for k in &gone {
@@ -709,7 +711,7 @@ mod tests {
         let mut m = Membership::default();
         m.update(PeerKey(1), announcement(0, 1.0, 0), Duration::from_secs(1));
         m.update(PeerKey(2), announcement(0, 1.0, 0), Duration::from_secs(5));
-        let gone = m.expire(Duration::from_secs(7), Duration::from_secs(3));
+        let gone = m.expire(Duration::from_secs(7), |_| Duration::from_secs(3));
         assert_eq!(gone, vec![PeerKey(1)]);
         assert_eq!(m.replicas(0), vec![PeerKey(2)]);
     }

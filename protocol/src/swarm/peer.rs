@@ -18,7 +18,7 @@ use super::driver::Driver;
 use super::exports::StateExports;
 pub use super::interface::{Action, ComputeDone, Event, Input, Job, Output, PeerStats, Resume};
 use super::links::Links;
-use super::membership::{Dealer, Membership, Routing, Standing};
+use super::membership::{Dealer, Gossip, Membership, Routing, Standing};
 use super::message::{Announcement, MemberState, Message};
 use super::outbox::Outbox;
 use super::placement::Placement;
@@ -51,6 +51,8 @@ pub struct Peer {
     /// The throughput in this peer's last announcement: what the others plan with.
     announced_throughput: f64,
     next_announce: Duration,
+    /// Where each period's announcement goes (everyone, in a small swarm).
+    gossip: Gossip,
     rng: SeededRng,
     /// Deals this peer's microbatches out to the next stage's replicas.
     dealer: Dealer,
@@ -97,6 +99,7 @@ impl Peer {
             announcements: 0,
             announced_throughput: 0.0,
             next_announce: now,
+            gossip: Gossip::default(),
             rng,
             dealer,
             service: Service::default(),
@@ -551,14 +554,23 @@ impl Peer {
 
     /// Time passed.
     pub fn handle_timeout(&mut self, now: Duration) {
-        for gone in self.members.expire(now, self.timing.member_timeout) {
+        let timeouts =
+            Gossip::timeout(self.role.stage(), &self.members, self.timing.member_timeout);
+        for gone in self.members.expire(now, |m| timeouts.of(m)) {
             self.peer_gone(gone, now);
         }
         self.exports.expire(now);
         self.exports.pump(&mut self.out, now);
         self.steps.keep_history_since(self.exports.history_needed());
         if now >= self.next_announce {
-            self.announce();
+            let plan = self.gossip.plan(self.role.stage(), &self.members);
+            let a = self.announcement();
+            for k in plan.direct {
+                self.out.send(k, Message::Announce(a.clone()));
+            }
+            if plan.broadcast {
+                self.out.push(Action::Announce(a));
+            }
             self.out.jobs.measure();
             self.next_announce = now + self.timing.announce_every;
         }
@@ -620,8 +632,7 @@ impl Peer {
                 // The rounds' values travel scaled down in netsim's modelled compute (see
                 // `StageCosts::param_scale`): their pace is per byte carried.
                 let scale = self.costs.param_scale.max(1) as f64;
-                let pace = self.links.upload_pace().map(|p| p * scale);
-                self.steps.set_upload_pace(pace);
+                self.steps.set_upload_pace(self.links.upload_pace() * scale);
                 if self.steps.on_gradient(values, samples, now) {
                     self.send_progress();
                 }
