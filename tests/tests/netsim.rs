@@ -137,6 +137,45 @@ fn scaled_down_tensors_are_charged_their_full_size() {
     assert_eq!(scaled.recoveries.len(), full.recoveries.len(), "{tables}");
 }
 
+/// Past 64 peers, announcements go directly to near peers and by gossip to everyone only
+/// every few periods, and members are given up after as many periods longer (see
+/// `membership/gossip.rs`): a swarm of 80 still trains, and notices a crash and recovers from
+/// it as one that gossips everything to everyone did (4.2 s, seed 1).
+#[test]
+fn a_swarm_past_64_peers_trains_and_recovers_on_tiered_gossip() {
+    let text = r#"
+[run]
+preset = "nano"
+stages = 3
+global_batch = 160
+microbatch = 8
+steps = 10
+
+[[peers]]
+count = 60
+device = "rtx3090"
+link = "metro"
+
+[[peers]]
+count = 20
+device = "t4"
+link = "us-regions"
+
+[[events]]
+at_s = 3.0
+kind = "crash"
+count = 2
+"#;
+    let r = run(text, 1);
+    let table = r.table();
+    assert!(r.finished, "{table}");
+    assert_eq!(r.violations, 0, "{table}");
+    assert_eq!(r.resyncs, 0, "{table}");
+    assert!(r.honest_agree, "{table}");
+    assert_eq!(r.recoveries.len(), 1, "{table}");
+    assert!(r.recoveries[0].seconds.is_some_and(|s| s < 10.0), "{table}");
+}
+
 /// `micro` in 2 stages with modelled compute, its 6 peers on `fast` or `slow` links.
 fn two_stages_on(fast: &str, slow: &str) -> String {
     format!(
@@ -296,7 +335,8 @@ fn the_shipped_scenarios_are_valid() {
             "scale",
             "thousand",
             "uneven",
-            "wan"
+            "wan",
+            "xl-home"
         ]
     );
 }
