@@ -56,7 +56,7 @@ const MAX_GROUP: usize = super::membership::MAX_MEMBERS;
 
 /// The most a round waits for one member's shares to go out, however slow its uplink was
 /// measured.
-const MAX_TRANSFER: Duration = Duration::from_secs(600);
+pub(super) const MAX_TRANSFER: Duration = Duration::from_secs(600);
 
 /// What a round wants its owner to do.
 #[derive(Clone, Debug, PartialEq)]

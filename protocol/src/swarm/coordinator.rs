@@ -185,7 +185,8 @@ impl StepCoordinator {
     }
 
     /// Seconds per byte of encoded round values on this replica's uplink, as measured: how
-    /// long its next contribution's round waits for values to move.
+    /// long its next contribution's round, and a catch-up it asks for, wait for values to
+    /// move.
     pub fn set_upload_pace(&mut self, secs_per_byte: f64) {
         self.rounds.upload_pace = Some(secs_per_byte);
     }

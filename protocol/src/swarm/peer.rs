@@ -563,6 +563,10 @@ impl Peer {
         self.exports.pump(&mut self.out, now);
         self.steps.keep_history_since(self.exports.history_needed());
         if now >= self.next_announce {
+            // The rounds' values travel scaled down in netsim's modelled compute (see
+            // `StageCosts::param_scale`): their pace is per byte carried.
+            let scale = self.costs.param_scale.max(1) as f64;
+            self.steps.set_upload_pace(self.links.upload_pace() * scale);
             let plan = self.gossip.plan(self.role.stage(), &self.members);
             let a = self.announcement();
             for k in plan.direct {
@@ -629,10 +633,6 @@ impl Peer {
                 if let Some(a) = self.attack.as_mut() {
                     a.contribution(&mut values);
                 }
-                // The rounds' values travel scaled down in netsim's modelled compute (see
-                // `StageCosts::param_scale`): their pace is per byte carried.
-                let scale = self.costs.param_scale.max(1) as f64;
-                self.steps.set_upload_pace(self.links.upload_pace() * scale);
                 if self.steps.on_gradient(values, samples, now) {
                     self.send_progress();
                 }

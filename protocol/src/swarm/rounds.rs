@@ -46,7 +46,7 @@ pub(super) struct Rounds {
     /// Banned peers: members no round waits for.
     banned: std::collections::BTreeSet<PeerKey>,
     /// Seconds per byte of this replica's encoded shares on its uplink, as measured: given
-    /// to the round it contributes to.
+    /// to the round it contributes to, and what a catch-up is waited for by.
     pub upload_pace: Option<f64>,
     /// This replica is new to its stage (it started from a state the others trained and has
     /// not finished a round with them yet): it does not lead, but joins the round of the leader
@@ -399,6 +399,16 @@ impl Rounds {
         let r = self.current.as_mut()?;
         let key = r.key();
         r.poll().map(|out| (key, out))
+    }
+
+    /// How long sending `values` of a stage's round results (encoded with the rounds' codec)
+    /// takes at this replica's measured upload pace, at most [`super::averaging::MAX_TRANSFER`].
+    pub fn transfer_time(&self, values: usize) -> Duration {
+        let bytes = values as f64 * self.codec.nominal_bits_per_value() / 8.0;
+        let pace = self.upload_pace.filter(|p| p.is_finite() && *p > 0.0);
+        pace.map_or(Duration::ZERO, |p| {
+            Duration::from_secs_f64((p * bytes).min(super::averaging::MAX_TRANSFER.as_secs_f64()))
+        })
     }
 
     /// This replica's contribution to the current round.

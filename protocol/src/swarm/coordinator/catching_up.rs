@@ -177,7 +177,11 @@ impl StepCoordinator {
         if self.catch_up.asking() || self.rounds.active() || self.applying_round {
             return;
         }
-        let deadline = now + self.settings.timing.round_timeout;
+        // The answer is the round's result, as large as the round's encoded values: on a
+        // slow uplink busy with rounds it takes longer than a round timeout to come (the
+        // responder's uplink is taken to be like this replica's).
+        let transfer = self.rounds.transfer_time(self.params(stage));
+        let deadline = now + self.settings.timing.round_timeout + 2 * transfer;
         self.catch_up.ask(out, from, stage, self.round, deadline);
     }
 
