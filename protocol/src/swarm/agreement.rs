@@ -390,10 +390,10 @@ pub(super) fn outvoted(
     verified: impl Fn(PeerKey) -> bool,
 ) -> bool {
     let (mut for_theirs, mut for_mine, mut to_come) = (0, 1, 0);
-    for (k, m) in members.iter() {
-        if !m.serves(stage) || !verified(*k) {
+    for k in members.serving_in(stage) {
+        let Some(m) = members.get(k).filter(|_| verified(k)) else {
             continue;
-        }
+        };
         match m.hash_at(round) {
             None => to_come += 1,
             Some(h) if h == theirs => for_theirs += 1,

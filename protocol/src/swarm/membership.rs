@@ -4,7 +4,7 @@
 
 use super::message::{Announcement, MemberState};
 use super::{PeerKey, SeededRng};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 mod gossip;
@@ -119,6 +119,14 @@ pub enum Standing {
 #[derive(Clone, Debug, Default)]
 pub struct Membership {
     members: BTreeMap<PeerKey, Member>,
+    /// The members serving each stage: what most questions are about (a round's replicas,
+    /// whether every stage has one), answered without a pass over a thousand members.
+    serving: BTreeMap<u32, BTreeSet<PeerKey>>,
+}
+
+/// The stage `a` says its peer serves, if it serves one.
+fn serving_stage(a: &Announcement) -> Option<u32> {
+    a.stage.filter(|_| a.state == MemberState::Serving)
 }
 
 /// At most this many peers are tracked; announcements from more are ignored (bounds memory
@@ -157,7 +165,7 @@ impl Membership {
         relay: Option<PeerKey>,
     ) -> bool {
         if announcement.state == MemberState::Leaving {
-            self.members.remove(&peer);
+            self.drop_member(peer);
             return false;
         }
         if let Some(m) = self.members.get_mut(&peer) {
@@ -176,18 +184,45 @@ impl Membership {
             {
                 m.left_out = 0;
             }
+            let (was, is) = (serving_stage(&m.announcement), serving_stage(&announcement));
             m.announcement = announcement;
             m.last_seen = now;
             if relay.is_none() {
                 m.relayed_by = None;
+            }
+            if was != is {
+                self.unindex(peer, was);
+                self.index(peer, is);
             }
             return false;
         }
         if !self.room_for(relay) {
             return false;
         }
+        self.index(peer, serving_stage(&announcement));
         self.members
             .insert(peer, Member::new(announcement, now, relay));
+        true
+    }
+
+    fn index(&mut self, peer: PeerKey, stage: Option<u32>) {
+        if let Some(s) = stage {
+            self.serving.entry(s).or_default().insert(peer);
+        }
+    }
+
+    fn unindex(&mut self, peer: PeerKey, stage: Option<u32>) {
+        if let Some(set) = stage.and_then(|s| self.serving.get_mut(&s)) {
+            set.remove(&peer);
+        }
+    }
+
+    /// Removes `peer` and its place in the index; returns whether it was a member.
+    fn drop_member(&mut self, peer: PeerKey) -> bool {
+        let Some(m) = self.members.remove(&peer) else {
+            return false;
+        };
+        self.unindex(peer, serving_stage(&m.announcement));
         true
     }
 
@@ -212,7 +247,7 @@ impl Membership {
             .filter(|(_, m)| m.relayed_by.is_some())
             .min_by_key(|(k, m)| (m.last_seen, **k))
             .map(|(k, _)| *k);
-        victim.is_some_and(|k| self.members.remove(&k).is_some())
+        victim.is_some_and(|k| self.drop_member(k))
     }
 
     /// Notes that `peer` sent a message on its own connection (evidence that it exists, not
@@ -226,7 +261,7 @@ impl Membership {
 
     /// Forgets a peer (it left, its connection died or a send to it failed).
     pub fn remove(&mut self, peer: PeerKey) -> bool {
-        self.members.remove(&peer).is_some()
+        self.drop_member(peer)
     }
 
     /// Records whether this peer checked work `peer` did lately: a share or part of its stage
@@ -343,7 +378,7 @@ impl Membership {
             .map(|(k, _)| *k)
             .collect();
         for k in &gone {
-            self.members.remove(k);
+            self.drop_member(*k);
         }
         gone
     }
@@ -379,11 +414,17 @@ impl Membership {
 
     /// The peers serving `stage`, in key order.
     pub fn replicas(&self, stage: u32) -> Vec<PeerKey> {
-        self.members
-            .iter()
-            .filter(|(_, m)| m.serves(stage))
-            .map(|(k, _)| *k)
-            .collect()
+        self.serving_in(stage).collect()
+    }
+
+    /// The members serving `stage`, in key order.
+    pub fn serving_in(&self, stage: u32) -> impl Iterator<Item = PeerKey> + '_ {
+        self.serving.get(&stage).into_iter().flatten().copied()
+    }
+
+    /// How many members serve `stage`.
+    pub fn serving_count(&self, stage: u32) -> usize {
+        self.serving.get(&stage).map_or(0, BTreeSet::len)
     }
 }
 

@@ -254,18 +254,9 @@ impl Peer {
 
     /// Replicas known per stage, this peer included.
     pub fn stage_replicas(&self) -> Vec<usize> {
-        let mut counts = vec![0; self.config.stages as usize];
-        let others = self
-            .members
-            .iter()
-            .filter(|(_, m)| m.announcement.state == MemberState::Serving)
-            .filter_map(|(_, m)| m.announcement.stage);
-        for stage in others.chain(self.role.serving()) {
-            if let Some(c) = counts.get_mut(stage as usize) {
-                *c += 1;
-            }
-        }
-        counts
+        (0..self.config.stages)
+            .map(|s| self.members.serving_count(s) + usize::from(self.role.serving() == Some(s)))
+            .collect()
     }
 
     /// The next action, if any.
@@ -567,7 +558,7 @@ impl Peer {
             // `StageCosts::param_scale`): their pace is per byte carried.
             let scale = self.costs.param_scale.max(1) as f64;
             self.steps.set_upload_pace(self.links.upload_pace() * scale);
-            let plan = self.gossip.plan(self.role.stage(), &self.members);
+            let plan = self.gossip.plan(self.role.serving(), &self.members);
             let a = self.announcement();
             for k in plan.direct {
                 self.out.send(k, Message::Announce(a.clone()));

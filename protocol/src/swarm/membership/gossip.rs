@@ -9,11 +9,12 @@
 //! * to everyone by gossip, once every `ceil(known / FAR_PER_PERIOD)` periods: what the far
 //!   stages need of it (placement, rebalancing, the run's progress) changes slowly.
 //!
-//! So a peer hears from at most about `NEAR_PER_PERIOD + FAR_PER_PERIOD` peers a period
-//! however large the swarm, and a member is given up after [`EXPIRY_PERIODS`] of the
-//! periods it is expected to announce in (counted from this peer's own view of the swarm).
-//! Announcements that something changed (serving, a move, finishing) still go to everyone
-//! at once: they are rare.
+//! Only serving peers are near each other, so a peer told directly is one that expects to
+//! be. A peer hears from about `NEAR_PER_PERIOD + FAR_PER_PERIOD` peers a period however
+//! large the swarm, and gives a member up after the member timeout times the periods between
+//! that member's announcements to it (counted from its own view of the swarm, which differs
+//! little from the member's). Announcements that something changed (serving, a move,
+//! finishing) still go to everyone at once: they are rare.
 
 use super::{Member, Membership};
 use crate::swarm::PeerKey;
@@ -46,9 +47,17 @@ pub struct Gossip {
     until_broadcast: u32,
 }
 
-/// Whether a peer announcing `stage` is near one serving `mine`.
-fn near(mine: Option<u32>, stage: Option<u32>) -> bool {
-    matches!((mine, stage), (Some(a), Some(b)) if a.abs_diff(b) <= 1)
+/// Whether a peer serving `theirs` is near one serving `mine`. Only serving peers are near
+/// each other, both ways alike: a peer that is told directly expects to be.
+fn near(mine: Option<u32>, theirs: Option<u32>) -> bool {
+    matches!((mine, theirs), (Some(a), Some(b)) if a.abs_diff(b) <= 1)
+}
+
+/// The stages near one serving `stage`.
+fn near_stages(stage: Option<u32>) -> impl Iterator<Item = u32> {
+    stage
+        .into_iter()
+        .flat_map(|s| s.saturating_sub(1)..=s.saturating_add(1))
 }
 
 /// Periods between two announcements to each of `count` peers, `per_period` a period.
@@ -57,7 +66,7 @@ fn spread(count: usize, per_period: usize) -> u32 {
 }
 
 impl Gossip {
-    /// Where this period's announcement of a peer serving (or syncing) `stage` goes.
+    /// Where this period's announcement of a peer serving `stage` goes.
     pub fn plan(&mut self, stage: Option<u32>, members: &Membership) -> Plan {
         if members.len() <= SMALL_SWARM {
             self.until_broadcast = 0;
@@ -71,10 +80,8 @@ impl Gossip {
             true => spread(members.len(), FAR_PER_PERIOD) - 1,
             false => self.until_broadcast - 1,
         };
-        let near: Vec<PeerKey> = members
-            .iter()
-            .filter(|(_, m)| near(stage, m.announcement.stage))
-            .map(|(k, _)| *k)
+        let near: Vec<PeerKey> = near_stages(stage)
+            .flat_map(|s| members.serving_in(s))
             .collect();
         let take = near.len().min(NEAR_PER_PERIOD);
         let start = self.cursor % near.len().max(1);
@@ -90,8 +97,8 @@ impl Gossip {
     }
 
     /// How long a member may stay silent before it counts as gone, to a peer serving `stage`
-    /// that gives a small swarm's members `timeout`: the member's announcements to it may be
-    /// that many periods apart.
+    /// (None: not serving) that gives a small swarm's members `timeout`: the member's
+    /// announcements to it may be that many periods apart.
     pub fn timeout(stage: Option<u32>, members: &Membership, timeout: Duration) -> Timeouts {
         if members.len() <= SMALL_SWARM {
             return Timeouts {
@@ -100,10 +107,7 @@ impl Gossip {
                 far: timeout,
             };
         }
-        let near = members
-            .iter()
-            .filter(|(_, m)| near(stage, m.announcement.stage))
-            .count();
+        let near: usize = near_stages(stage).map(|s| members.serving_count(s)).sum();
         Timeouts {
             stage,
             // A near member may hear of this one only by gossip, if its view of who is near
@@ -126,7 +130,7 @@ pub struct Timeouts {
 impl Timeouts {
     /// For `member`.
     pub fn of(&self, member: &Member) -> Duration {
-        match near(self.stage, member.announcement.stage) {
+        match near(self.stage, super::serving_stage(&member.announcement)) {
             true => self.near,
             false => self.far,
         }
