@@ -646,7 +646,7 @@ mod tests {
             }
         }
         // Senders start at different points of the cycle.
-        let firsts: std::collections::BTreeSet<PeerKey> = (0..20)
+        let firsts: BTreeSet<PeerKey> = (0..20)
             .map(|seed| {
                 m.route(1, None, Routing::Weighted, &mut Dealer::new(seed), |_| {
                     Observed::UNTIMED
