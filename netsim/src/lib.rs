@@ -5,7 +5,9 @@
 //! (latency, jitter, bandwidth with queueing, loss, partitions) and modelled devices. Compute
 //! runs for real on the CPU so loss curves are real; its duration comes from the device model.
 //! For models too large to train here, compute can be modelled instead ([`modelled`]): the
-//! same jobs answered with right-sized random tensors, for timing and traffic without a loss.
+//! same jobs answered with random tensors, for timing and traffic without a loss; activations
+//! at their real size, parameter-sized tensors scaled down to a bounded length and charged
+//! their real size on the links, so memory follows the number of peers, not the model.
 //!
 //! This crate must never re-implement a protocol decision (if the simulator needs one, the
 //! state machine makes it), never read the wall clock, and never use randomness that does not

@@ -3,8 +3,9 @@
 //!
 //! It answers every compute job the protocol asks for with tensors of the sizes the real
 //! replica would produce (activations, input gradients, gradients, exported states), filled
-//! with seeded random values so the codecs see data like real data and every byte count on
-//! the links is the real one. Parameter hashes follow the same rule as real replicas: equal
+//! with seeded random values so the codecs see data like real data, except that
+//! parameter-sized ones hold the values the simulator's stage costs say (scaled down for a
+//! large model, see `StageCosts::param_scale`; the links are charged their real size). Parameter hashes follow the same rule as real replicas: equal
 //! when two replicas applied the same updates from the same start, so agreement checks, state
 //! transfers and re-syncs work unchanged. What it cannot give is a loss curve: the loss it
 //! reports is a constant, and the simulator leaves it out of the report.
