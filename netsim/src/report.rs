@@ -91,6 +91,10 @@ pub struct Report {
     /// `[sim_s, peer, seconds_to_serving]` of every peer that joined after the start (it
     /// chose a stage and downloaded its state): None if it never served.
     pub joins: Vec<(f64, usize, Option<f64>)>,
+    /// What the peers warned of (a run that trains nothing says why here: no stage fits a
+    /// device, a state source went quiet), each with how many peers did, most first; at most
+    /// [`MAX_WARNINGS`] kinds.
+    pub warnings: Vec<(String, usize)>,
     /// The slowest stage's capacity, samples per second (the sum over its serving replicas of
     /// what each device can compute there: forward and backward passes back to back, per
     /// the device model): `[at the first step, at the end]`.
@@ -100,6 +104,10 @@ pub struct Report {
     /// Hash over the ordered event trace (time, kind, peers of every event).
     pub event_hash: String,
 }
+
+/// Kinds of warnings a report keeps, at most (peers' warnings may name peers, and there may be
+/// a thousand of them).
+pub const MAX_WARNINGS: usize = 16;
 
 impl Report {
     /// Bytes of pipeline and averaging traffic per trained token, by kind.
@@ -243,6 +251,17 @@ impl Report {
                 format!("{} ({})", moves.len(), moves.join(", "))
             },
         );
+        if let Some((first, peers)) = self.warnings.first() {
+            let more = match self.warnings.len() {
+                1 => String::new(),
+                n => format!(" (and {} more kinds)", n - 1),
+            };
+            row(
+                &mut out,
+                "warnings",
+                format!("{peers} peer(s): {first}{more}"),
+            );
+        }
         if !self.joins.is_empty() {
             let serving: Vec<String> = self
                 .joins

@@ -262,6 +262,8 @@ pub struct Sim {
     violations: u64,
     /// `[sim_s, peer, reason]`: the first ban of each peer by an honest peer.
     banned: Vec<(f64, usize, String)>,
+    /// Each kind of warning, and the peers that gave it.
+    warnings: BTreeMap<String, BTreeSet<usize>>,
     pending: Vec<Pending>,
     recoveries: Vec<Recovery>,
     gone_stats: Vec<(u64, u64)>,
@@ -320,6 +322,7 @@ impl Sim {
             moves: Vec::new(),
             slowest_at_first_step: None,
             log_events: std::env::var_os("SHOAL_NETSIM_EVENTS").is_some(),
+            warnings: BTreeMap::new(),
             setup,
         };
         for (i, g) in sim.setup.groups.clone().iter().enumerate() {
@@ -892,6 +895,12 @@ impl Sim {
                 }
             }
             Event::Moving { from, to } => self.moves.push((self.now_s(), i, from, to)),
+            Event::Warning(w) => {
+                let known = self.warnings.len() < crate::report::MAX_WARNINGS;
+                if known || self.warnings.contains_key(&w) {
+                    self.warnings.entry(w).or_default().insert(i);
+                }
+            }
             Event::Serving { .. } if self.peers[i].served_at.is_none() => {
                 self.peers[i].served_at = Some(self.now_s());
             }

@@ -176,6 +176,36 @@ count = 2
     assert!(r.recoveries[0].seconds.is_some_and(|s| s < 10.0), "{table}");
 }
 
+/// A run that trains nothing says why: GPT-2 XL at 1,024 tokens a sample fits no stage of a
+/// 24 GB card, and the report names that and how many peers found it.
+#[test]
+fn a_run_that_trains_nothing_says_why() {
+    let text = r#"
+[run]
+preset = "gpt2-xl"
+stages = 12
+global_batch = 8
+microbatch = 2
+steps = 2
+compute = "modelled"
+
+[[peers]]
+count = 4
+device = "rtx3090"
+link = "home"
+
+[sim]
+max_sim_s = 60.0
+"#;
+    let r = run(text, 1);
+    let table = r.table();
+    assert!(!r.finished && r.steps == 0, "{table}");
+    let (warning, peers) = r.warnings.first().expect("a warning");
+    assert!(warning.contains("no stage fits"), "{table}");
+    assert_eq!(*peers, 4, "{table}");
+    assert!(table.contains("no stage fits"), "{table}");
+}
+
 /// `micro` in 2 stages with modelled compute, its 6 peers on `fast` or `slow` links.
 fn two_stages_on(fast: &str, slow: &str) -> String {
     format!(

@@ -182,6 +182,15 @@ impl Sim {
             recoveries: self.recoveries,
             moves: self.moves,
             joins,
+            warnings: {
+                let mut w: Vec<(String, usize)> = self
+                    .warnings
+                    .into_iter()
+                    .map(|(k, p)| (k, p.len()))
+                    .collect();
+                w.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+                w
+            },
             slowest_stage,
             events: self.events,
             event_hash: format!("{:016x}", self.trace.digest()),
