@@ -56,7 +56,17 @@ const MAX_GROUP: usize = super::membership::MAX_MEMBERS;
 
 /// The most a round waits for one member's shares to go out, however slow its uplink was
 /// measured.
-pub(super) const MAX_TRANSFER: Duration = Duration::from_secs(600);
+const MAX_TRANSFER: Duration = Duration::from_secs(600);
+
+/// How long sending `bytes` takes at `pace` seconds per byte (None, or not a positive
+/// number: no time to add), at most [`MAX_TRANSFER`]: a pace measured absurdly slow must not
+/// hold a round for days.
+pub(super) fn transfer_time(pace: Option<f64>, bytes: f64) -> Duration {
+    let pace = pace.filter(|p| p.is_finite() && *p > 0.0);
+    pace.map_or(Duration::ZERO, |p| {
+        Duration::from_secs_f64((p * bytes).min(MAX_TRANSFER.as_secs_f64()))
+    })
+}
 
 /// What a round wants its owner to do.
 #[derive(Clone, Debug, PartialEq)]
@@ -484,11 +494,7 @@ impl Round {
             }
         }
         self.phase = Phase::Exchanging;
-        let pace = self.upload_pace.filter(|p| p.is_finite() && *p > 0.0);
-        // Bounded: a pace measured absurdly slow must not hold a round for days.
-        self.transfer = pace.map_or(Duration::ZERO, |p| {
-            Duration::from_secs_f64((p * sent as f64).min(MAX_TRANSFER.as_secs_f64()))
-        });
+        self.transfer = transfer_time(self.upload_pace, sent as f64);
         self.deadline = Some(now + self.patience());
         for (from, msg) in std::mem::take(&mut self.early) {
             self.handle(from, msg, now);

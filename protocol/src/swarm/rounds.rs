@@ -402,13 +402,10 @@ impl Rounds {
     }
 
     /// How long sending `values` of a stage's round results (encoded with the rounds' codec)
-    /// takes at this replica's measured upload pace, at most [`super::averaging::MAX_TRANSFER`].
+    /// takes at this replica's measured upload pace (see [`super::averaging::transfer_time`]).
     pub fn transfer_time(&self, values: usize) -> Duration {
         let bytes = values as f64 * self.codec.nominal_bits_per_value() / 8.0;
-        let pace = self.upload_pace.filter(|p| p.is_finite() && *p > 0.0);
-        pace.map_or(Duration::ZERO, |p| {
-            Duration::from_secs_f64((p * bytes).min(super::averaging::MAX_TRANSFER.as_secs_f64()))
-        })
+        super::averaging::transfer_time(self.upload_pace, bytes)
     }
 
     /// This replica's contribution to the current round.
