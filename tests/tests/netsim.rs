@@ -92,19 +92,22 @@ fn modelled_compute_times_and_sends_what_real_compute_does() {
     let tables = format!("modelled:\n{}\nreal:\n{}", modelled.table(), real.table());
     assert!(modelled.finished, "{tables}");
     assert_eq!(modelled.resyncs, 0, "{tables}");
-    let close = |a: f64, b: f64, tolerance: f64| (a - b).abs() <= tolerance * b.abs();
+    same_traffic_and_time(&modelled, &real, 0.01, &tables);
+}
+
+/// `a` sends as many bytes per token of every tensor traffic as `b` (within `bytes_tolerance`),
+/// in the same simulated time (within 5%), with as many recoveries.
+fn same_traffic_and_time(a: &Report, b: &Report, bytes_tolerance: f64, tables: &str) {
+    let close = |x: f64, y: f64, tolerance: f64| (x - y).abs() <= tolerance * y.abs();
     for kind in ["activations", "activation_grads", "averaging", "state"] {
-        let (m, r) = (modelled.bytes_per_token(kind), real.bytes_per_token(kind));
+        let (x, y) = (a.bytes_per_token(kind), b.bytes_per_token(kind));
         assert!(
-            close(m, r, 0.01),
-            "{kind}: {m} vs {r} bytes per token\n{tables}"
+            close(x, y, bytes_tolerance),
+            "{kind}: {x} vs {y} bytes per token\n{tables}"
         );
     }
-    assert!(
-        close(modelled.sim_seconds, real.sim_seconds, 0.05),
-        "{tables}"
-    );
-    assert_eq!(modelled.recoveries.len(), real.recoveries.len(), "{tables}");
+    assert!(close(a.sim_seconds, b.sim_seconds, 0.05), "{tables}");
+    assert_eq!(a.recoveries.len(), b.recoveries.len(), "{tables}");
 }
 
 /// Modelled compute carries a large stage's gradients, parts and states scaled down (so that a
@@ -122,19 +125,7 @@ fn scaled_down_tensors_are_charged_their_full_size() {
     );
     let tables = format!("scaled:\n{}\nfull:\n{}", scaled.table(), full.table());
     assert!(full.finished && scaled.finished, "{tables}");
-    let close = |a: f64, b: f64, tolerance: f64| (a - b).abs() <= tolerance * b.abs();
-    for kind in ["activations", "activation_grads", "averaging", "state"] {
-        let (s, f) = (scaled.bytes_per_token(kind), full.bytes_per_token(kind));
-        assert!(
-            close(s, f, 0.03),
-            "{kind}: {s} vs {f} bytes per token\n{tables}"
-        );
-    }
-    assert!(
-        close(scaled.sim_seconds, full.sim_seconds, 0.05),
-        "{tables}"
-    );
-    assert_eq!(scaled.recoveries.len(), full.recoveries.len(), "{tables}");
+    same_traffic_and_time(&scaled, &full, 0.03, &tables);
 }
 
 /// Past 64 peers, announcements go directly to near peers and by gossip to everyone only
