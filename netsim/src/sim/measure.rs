@@ -1,8 +1,82 @@
-//! What a run measured: recoveries, stage capacities and the report.
+//! What a run measured: the peers' events, recoveries, stage capacities and the report.
 
 use super::*;
 
 impl Sim {
+    /// What peer `i`'s protocol event adds to the run's measurements.
+    pub(super) fn on_event(&mut self, i: usize, e: Event) {
+        if self.log_events {
+            eprintln!("{:10.3} s  peer {i}: {e:?}", self.now_s());
+        }
+        let last = self.config.stages - 1;
+        let stage = self.peers[i].machine.stage();
+        match e {
+            Event::Stepped { step, loss, .. } if stage == Some(last) => {
+                // The run's step: the last stage's in allreduce mode; in DiLoCo, where each
+                // replica steps on its own share, the global batches the stage has trained.
+                let step = match self.config.sync {
+                    SyncMode::AllReduce => step,
+                    SyncMode::DiLoCo { .. } => {
+                        let batch = (self.config.global_batch * self.config.seq) as u64;
+                        (self.tokens / batch.max(1)).min(self.config.max_steps)
+                    }
+                };
+                // One point per step in allreduce mode (the replicas agree); every replica's
+                // local step in DiLoCo.
+                let local = matches!(self.config.sync, SyncMode::DiLoCo { .. });
+                let computed = self.setup.compute == Compute::Real;
+                if let Some(l) = loss.filter(|_| computed && (local || step > self.step)) {
+                    self.loss_curve
+                        .push((self.now_s(), step.max(self.step), l as f64));
+                }
+                if step > self.step {
+                    self.step = step;
+                    self.tokens_curve.push((self.now_s(), self.tokens));
+                }
+                if self.slowest_at_first_step.is_none() {
+                    self.slowest_at_first_step = Some(self.slowest_stage());
+                }
+                self.check_recoveries();
+            }
+            Event::Stepped { .. } => self.check_recoveries(),
+            Event::Committed { sample } => {
+                if let Some(s) = stage {
+                    if !self.committed.insert((s, sample)) {
+                        self.double_commits += 1;
+                    }
+                    if s == last {
+                        self.tokens += (self.config.microbatch * self.config.seq) as u64;
+                    }
+                }
+            }
+            Event::Resync { .. } => self.resyncs += 1,
+            Event::StateRefused { .. } => self.refused_states += 1,
+            Event::RoundDegraded { refused, .. } if !self.peers[i].attacker() => {
+                self.refused_parts += refused as u64;
+            }
+            Event::Violation { .. } => self.violations += 1,
+            Event::Banned { peer, why, .. } if !self.peers[i].attacker() => {
+                // The first honest peer to ban it; an attacker's bans are its own affair.
+                if let Some(&j) = self.by_key.get(&peer)
+                    && self.banned.iter().all(|b| b.1 != j)
+                {
+                    self.banned.push((self.now_s(), j, why.to_string()));
+                }
+            }
+            Event::Moving { from, to } => self.moves.push((self.now_s(), i, from, to)),
+            Event::Warning(w) => {
+                let known = self.warnings.len() < crate::report::MAX_WARNINGS;
+                if known || self.warnings.contains_key(&w) {
+                    self.warnings.entry(w).or_default().insert(i);
+                }
+            }
+            Event::Serving { .. } if self.peers[i].served_at.is_none() => {
+                self.peers[i].served_at = Some(self.now_s());
+            }
+            _ => {}
+        }
+    }
+
     pub(super) fn check_recoveries(&mut self) {
         let lowest = self.serving().map(|p| p.machine.step()).min().unwrap_or(0);
         let now = self.now_s();
