@@ -202,7 +202,12 @@ fn report_event(event: NodeEvent, control: bool) {
         NodeEvent::RelayReservation(addr) => {
             json!({"event": "relay_reservation", "addr": addr.to_string()})
         }
+        NodeEvent::Reachability(addr) => json!({"event": "reachability",
+            "public": addr.is_some(), "addr": addr.as_ref().map(|a| a.to_string())}),
         NodeEvent::HolePunched(p) => json!({"event": "hole_punched", "peer": p.to_string()}),
+        NodeEvent::HolePunchFailed(p, why) => {
+            json!({"event": "hole_punch_failed", "peer": p.to_string(), "error": why})
+        }
         // Every 15 s per connection: the training loop's business, not an event to print.
         NodeEvent::Rtt(..) => return,
     };

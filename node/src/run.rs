@@ -18,7 +18,7 @@ use shoal_protocol::swarm::{
 };
 use shoal_protocol::{FrameKind, TrafficCodecs};
 use shoal_worker::{StageWorker, model_of, stage_costs};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -417,6 +417,8 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let (sent_tx, mut sent_rx) = mpsc::unbounded_channel::<(PeerKey, Traffic, u64, Duration)>();
     let mut tally = Tally::default();
     let mut printed_join = false;
+    // The relay client reports a circuit each time its reservation is renewed.
+    let mut listening: HashSet<Multiaddr> = HashSet::new();
     let mut progress = Progress::new();
     // This peer's latest announcement, for peers that announce directly (see below).
     let mut announcement: Option<Vec<u8>> = None;
@@ -442,12 +444,26 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                 }
             }
             Some(event) = events.recv() => match event {
-                NodeEvent::Listening(addr) if is_dialable(&addr) => {
-                    println!("listening on {addr}");
-                    if args.run.is_none() && !printed_join {
+                NodeEvent::Listening(addr) if is_dialable(&addr) && listening.insert(addr.clone()) => {
+                    let relayed = addr.iter().any(|p| matches!(p, Protocol::P2pCircuit));
+                    if relayed {
+                        println!("listening through a relay on {addr}");
+                    } else {
+                        println!("listening on {addr}");
+                    }
+                    // Behind a NAT, the relayed address is the one others can dial.
+                    if args.run.is_none() && (!printed_join || relayed) {
                         printed_join = true;
                         println!("others join with:\n  shoal run --run {run_id} --bootstrap {addr}");
                     }
+                }
+                NodeEvent::Reachability(Some(addr)) => println!("reachable from outside at {addr}"),
+                NodeEvent::Reachability(None) => {
+                    println!("behind a NAT or firewall: listening through relays");
+                }
+                NodeEvent::HolePunched(p) => println!("hole punched: direct connection to {p}"),
+                NodeEvent::HolePunchFailed(p, why) => {
+                    println!("hole punching to {p} failed ({why}): relayed connection");
                 }
                 NodeEvent::Gossip { from, via, data } => {
                     // The network checked that it is an announcement of this run.

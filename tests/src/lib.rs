@@ -51,6 +51,19 @@ pub fn shoal_binary() -> PathBuf {
         .clone()
 }
 
+/// A command that runs the `shoal` binary, in network namespace `netns` where one is named
+/// (`ip netns exec` execs it: the child is `shoal` itself).
+fn shoal_command(netns: Option<&str>) -> Command {
+    match netns {
+        None => Command::new(shoal_binary()),
+        Some(ns) => {
+            let mut cmd = Command::new("ip");
+            cmd.args(["netns", "exec", ns]).arg(shoal_binary());
+            cmd
+        }
+    }
+}
+
 /// A `shoal node --control` process: commands go in as JSON lines, events come out.
 pub struct NodeProcess {
     /// The node's PeerId.
@@ -68,9 +81,22 @@ impl NodeProcess {
     /// Starts a node with a fresh identity in `dir` and `extra` flags, and waits until it
     /// listens on loopback.
     pub fn start(dir: &Path, name: &str, extra: &[&str]) -> NodeProcess {
-        let mut node = Self::spawn(dir, name, extra);
+        Self::start_in(None, dir, name, extra, "/ip4/127.")
+    }
+
+    /// Starts a node in network namespace `netns` (the host's where None) and waits until it
+    /// listens on an address that contains `listening_on`.
+    pub fn start_in(
+        netns: Option<&str>,
+        dir: &Path,
+        name: &str,
+        extra: &[&str],
+        listening_on: &str,
+    ) -> NodeProcess {
+        let mut node = Self::spawn(netns, dir, name, extra);
         let listening = node.wait_for(Duration::from_secs(30), |e| {
-            e["event"] == "listening" && e["addr"].as_str().is_some_and(|a| a.contains("/ip4/127."))
+            e["event"] == "listening"
+                && e["addr"].as_str().is_some_and(|a| a.contains(listening_on))
         });
         node.addr = listening["addr"].as_str().expect("address").to_owned();
         node
@@ -79,12 +105,12 @@ impl NodeProcess {
     /// Starts a node that listens on no address of its own (`--listen` is given a relay
     /// circuit later, or nothing).
     pub fn start_without_listen(dir: &Path, name: &str, extra: &[&str]) -> NodeProcess {
-        Self::spawn(dir, name, &[&["--no-listen"], extra].concat())
+        Self::spawn(None, dir, name, &[&["--no-listen"], extra].concat())
     }
 
-    fn spawn(dir: &Path, name: &str, extra: &[&str]) -> NodeProcess {
+    fn spawn(netns: Option<&str>, dir: &Path, name: &str, extra: &[&str]) -> NodeProcess {
         let identity = dir.join(format!("{name}.key"));
-        let mut child = Command::new(shoal_binary())
+        let mut child = shoal_command(netns)
             .args(["node", "--control", "--identity"])
             .arg(&identity)
             .args(extra)
@@ -226,9 +252,14 @@ pub struct RunProcess {
 impl RunProcess {
     /// Starts `shoal run` with identity `dir/<name>.key`, report `dir/<name>.json` and `args`.
     pub fn start(dir: &Path, name: &str, args: &[&str]) -> RunProcess {
+        Self::start_in(None, dir, name, args)
+    }
+
+    /// [`RunProcess::start`] in network namespace `netns` (the host's where None).
+    pub fn start_in(netns: Option<&str>, dir: &Path, name: &str, args: &[&str]) -> RunProcess {
         let report = dir.join(format!("{name}.json"));
         let _ = std::fs::remove_file(&report);
-        let mut child = Command::new(shoal_binary())
+        let mut child = shoal_command(netns)
             .arg("run")
             .arg("--identity")
             .arg(dir.join(format!("{name}.key")))

@@ -80,6 +80,8 @@ pub(super) struct SwarmState {
     pub(super) discovered: HashSet<PeerId>,
     /// Relay circuits to listen on once the relay is connected.
     pub(super) pending_circuits: Vec<(PeerId, Multiaddr)>,
+    /// What AutoNAT found, and the relays this node listens through because of it.
+    pub(super) nat: NatTraversal,
     /// The IP each peer's (non-relayed) connection comes from: where its direct endpoint is.
     pub(super) remote_ips: HashMap<PeerId, IpAddr>,
     /// Whether non-global addresses are accepted (see [`NetConfig::allow_private`]).
@@ -127,6 +129,11 @@ impl SwarmState {
             self.unsubscribed_gossip.remove(&peer);
             self.redial.insert(peer);
             let _ = swarm.disconnect_peer_id(peer);
+        }
+        if self.relay_server {
+            // A relay serves peers of any run: its circuits and reservations need their
+            // connections, and its connection caps bound what they hold.
+            return;
         }
         let outsiders: Vec<PeerId> = self
             .connected_since
@@ -198,6 +205,7 @@ impl SwarmState {
                 num_established: 0,
                 ..
             } => {
+                self.nat.relays.remove(&peer_id);
                 self.remote_ips.remove(&peer_id);
                 self.connected_since.remove(&peer_id);
                 self.subscribed.remove(&peer_id);
@@ -227,9 +235,25 @@ impl SwarmState {
                         .unwrap_or_else(|e| e.into_inner())
                         .insert(peer_id, SocketAddr::new(*ip, port));
                 }
-                for addr in info.listen_addrs {
-                    if self.admissible(&addr) {
-                        swarm.behaviour_mut().kad.add_address(&peer_id, addr);
+                for addr in &info.listen_addrs {
+                    if self.admissible(addr) {
+                        swarm
+                            .behaviour_mut()
+                            .kad
+                            .add_address(&peer_id, addr.clone());
+                    }
+                }
+                if info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
+                    // Where this node reaches the relay: the listen address it advertises on
+                    // the IP our connection to it comes from.
+                    let ip = self.remote_ips.get(&peer_id);
+                    let at = info.listen_addrs.iter().find(|a| {
+                        multiaddr_ip(a).as_ref() == ip
+                            && !a.iter().any(|p| matches!(p, Protocol::P2pCircuit))
+                    });
+                    if let Some(at) = at {
+                        self.nat.relays.insert(peer_id, at.clone());
+                        self.nat.reserve(swarm, &mut self.kept);
                     }
                 }
                 if self.discovered.insert(peer_id) {
@@ -312,10 +336,41 @@ impl SwarmState {
                         .with(Protocol::P2pCircuit),
                 ));
             }
+            SwarmEvent::Behaviour(BehaviourEvent::Autonat(autonat::Event::StatusChanged {
+                new,
+                ..
+            })) => {
+                tracing::info!("AutoNAT: {new:?}");
+                self.nat.behind_nat = new == autonat::NatStatus::Private;
+                self.nat.reserve(swarm, &mut self.kept);
+                match new {
+                    autonat::NatStatus::Public(addr) => {
+                        out.push(NodeEvent::Reachability(Some(addr)));
+                    }
+                    autonat::NatStatus::Private => out.push(NodeEvent::Reachability(None)),
+                    autonat::NatStatus::Unknown => {}
+                }
+            }
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                reason,
+                ..
+            } => {
+                if let Some(relay) = self.nat.circuits.remove(&listener_id) {
+                    // The relay went away or refused the reservation: it is tried again once
+                    // identify offers it anew; another relay takes its place now.
+                    tracing::info!(%relay, "no longer listening through the relay: {reason:?}");
+                    self.nat.relays.remove(&relay);
+                    self.nat.reserve(swarm, &mut self.kept);
+                }
+            }
             SwarmEvent::Behaviour(BehaviourEvent::Dcutr(dcutr::Event {
                 remote_peer_id,
-                result: Ok(_),
-            })) => out.push(NodeEvent::HolePunched(remote_peer_id)),
+                result,
+            })) => out.push(match result {
+                Ok(_) => NodeEvent::HolePunched(remote_peer_id),
+                Err(e) => NodeEvent::HolePunchFailed(remote_peer_id, e.to_string()),
+            }),
             SwarmEvent::Behaviour(BehaviourEvent::Ping(ping::Event {
                 peer,
                 result: Ok(rtt),
@@ -331,5 +386,58 @@ impl SwarmState {
             _ => {}
         }
         out
+    }
+}
+
+/// NAT traversal without flags: a node that AutoNAT finds unreachable listens through relays
+/// it is connected to (peers that offer the relay protocol), so that others can dial it; DCUtR
+/// then replaces relayed connections with direct ones where the NATs allow hole punching.
+#[derive(Default)]
+pub(super) struct NatTraversal {
+    /// AutoNAT's verdict: others cannot dial this node.
+    behind_nat: bool,
+    /// Connected peers that offer the relay protocol, with the address they were reached at.
+    relays: HashMap<PeerId, Multiaddr>,
+    /// The relay circuits listened on, by listener.
+    circuits: HashMap<libp2p::core::transport::ListenerId, PeerId>,
+}
+
+impl NatTraversal {
+    /// Listens through relays until [`RELAYS_BEHIND_NAT`] circuits are open, while behind a
+    /// NAT; relays used are kept connected.
+    fn reserve(&mut self, swarm: &mut Swarm<Behaviour>, kept: &mut HashSet<PeerId>) {
+        if !self.behind_nat {
+            return;
+        }
+        let mut candidates: Vec<(PeerId, Multiaddr)> = self
+            .relays
+            .iter()
+            .filter(|(relay, _)| !self.circuits.values().any(|r| r == *relay))
+            .map(|(relay, addr)| (*relay, addr.clone()))
+            .collect();
+        // Deterministic order, so that peers behind NATs tend to share relays.
+        candidates.sort_by_key(|(relay, _)| *relay);
+        for (relay, addr) in candidates {
+            if self.circuits.len() >= RELAYS_BEHIND_NAT {
+                break;
+            }
+            let circuit = addr
+                .iter()
+                .filter(|p| !matches!(p, Protocol::P2p(_)))
+                .collect::<Multiaddr>()
+                .with(Protocol::P2p(relay))
+                .with(Protocol::P2pCircuit);
+            match swarm.listen_on(circuit.clone()) {
+                Ok(listener) => {
+                    tracing::info!(%circuit, "behind a NAT: listening through a relay");
+                    self.circuits.insert(listener, relay);
+                    kept.insert(relay);
+                }
+                Err(e) => {
+                    tracing::warn!(%circuit, "cannot listen through the relay: {e}");
+                    self.relays.remove(&relay);
+                }
+            }
+        }
     }
 }

@@ -61,6 +61,13 @@ const PRUNE_EVERY: Duration = Duration::from_secs(5);
 const STALE_SUBSCRIPTIONS_AFTER: Duration = Duration::from_millis(IDLE_TIMEOUT_MS as u64 + 2_000);
 /// Attempts at sending a frame that receivers drop unread because they are momentarily full.
 const REFUSED_ATTEMPTS: u32 = 10;
+/// Relays a node that AutoNAT finds unreachable listens through: two, so that losing one
+/// leaves it reachable while it reserves a slot at another.
+const RELAYS_BEHIND_NAT: usize = 2;
+/// AutoNAT's first probe, once connections to peers that can dial back have come up.
+const NAT_PROBE_DELAY: Duration = Duration::from_secs(5);
+/// AutoNAT probes again this soon while its verdict is not yet confident (libp2p: 90 s).
+const NAT_PROBE_RETRY: Duration = Duration::from_secs(30);
 
 /// A random pause before sending a refused frame again: full jitter over a window that doubles
 /// with each attempt (10 ms, 20 ms, ... up to 1 s), so that a burst of senders refused together
@@ -185,8 +192,13 @@ pub enum NodeEvent {
     },
     /// A relay reservation was accepted: reachable through `relay` now.
     RelayReservation(Multiaddr),
+    /// AutoNAT's verdict changed: others can dial this node at the address, or cannot (it is
+    /// behind a NAT or a firewall, and listens through relays of its own choosing).
+    Reachability(Option<Multiaddr>),
     /// A direct connection replaced a relayed one (hole punching worked).
     HolePunched(PeerId),
+    /// Hole punching to a peer failed: what passes between the two goes through a relay.
+    HolePunchFailed(PeerId, String),
     /// libp2p's ping measured the round trip to a peer.
     Rtt(PeerId, Duration),
 }
@@ -480,12 +492,25 @@ fn build_swarm(
                 ip_limits: ip_limits::Behaviour::new(ip_slots),
                 identify: identify::Behaviour::new(
                     identify::Config::new(IDENTIFY_VERSION.into(), key.public())
-                        .with_agent_version(agent_version(direct_port)),
+                        .with_agent_version(agent_version(direct_port))
+                        // A relay circuit listened on later must reach the peers already
+                        // connected, or they could not dial back a peer behind a NAT.
+                        .with_push_listen_addr_updates(true),
                 ),
                 kad,
                 gossipsub,
                 mdns: mdns.into(),
-                autonat: autonat::Behaviour::new(peer_id, autonat::Config::default()),
+                autonat: autonat::Behaviour::new(
+                    peer_id,
+                    autonat::Config {
+                        boot_delay: NAT_PROBE_DELAY,
+                        retry_interval: NAT_PROBE_RETRY,
+                        // On a private network (a lab, a test), its peers' addresses are the
+                        // ones to probe.
+                        only_global_ips: !config.allow_private,
+                        ..autonat::Config::default()
+                    },
+                ),
                 relay_client,
                 relay_server: relay_server.into(),
                 dcutr: dcutr::Behaviour::new(peer_id),
@@ -571,6 +596,10 @@ pub async fn start(
             .iter()
             .chain(&config.bootstrap)
             .any(|a| !unspecified(a) && !is_global(a));
+    let config = NetConfig {
+        allow_private,
+        ..config
+    };
     let direct = if config.direct {
         // Bind on the host of the first IP listen address (any interface otherwise).
         let ip = config
@@ -628,6 +657,7 @@ pub async fn start(
         direct_addrs: direct_addrs.clone(),
         discovered: HashSet::new(),
         pending_circuits: Vec::new(),
+        nat: events::NatTraversal::default(),
         remote_ips: HashMap::new(),
         allow_private,
         gossip_check: config.gossip_check.clone(),
