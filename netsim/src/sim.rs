@@ -387,6 +387,14 @@ impl Sim {
             steps: self.config.max_steps,
             peers: self.peers.iter().filter(|p| p.alive()).count(),
         });
+        if self.log_events {
+            // Where each peer stands at the end: what to look at when a run did not finish.
+            for (i, p) in self.peers.iter_mut().enumerate() {
+                if p.alive() {
+                    eprintln!("at the end, peer {i}: {:?}", p.machine.announcement());
+                }
+            }
+        }
         Ok(self.report())
     }
 
@@ -397,11 +405,15 @@ impl Sim {
             .filter(|p| p.alive() && p.machine.is_serving())
     }
 
-    /// Every live honest replica has taken the run's last step (a banned attacker, cut off
-    /// by everyone, never does; an attacker's progress is not the run's).
+    /// Every live honest replica has taken the run's last step, and each stage's replicas
+    /// agree on where it ended (a banned attacker, cut off by everyone, never does; an
+    /// attacker's progress is not the run's). A replica that finished apart from the others
+    /// (a partition that gave each side a whole pipeline) still has the hash vote to lose.
     fn done(&self) -> bool {
         let mut serving = self.serving().filter(|p| !p.attacker()).peekable();
-        serving.peek().is_some() && serving.all(|p| p.machine.is_finished())
+        serving.peek().is_some()
+            && serving.all(|p| p.machine.is_finished())
+            && self.honest_replicas_agree()
     }
 
     fn handle(&mut self, ev: Ev) -> Result<(), String> {
@@ -523,6 +535,9 @@ impl Sim {
                 )?)),
             };
             let index = self.peers.len();
+            if self.log_events {
+                eprintln!("{:10.3} s  peer {index} joins as {key:?}", self.now_s());
+            }
             self.by_key.insert(key, index);
             self.peers.push(SimPeer {
                 key,
@@ -711,6 +726,9 @@ impl Sim {
                     p.side_since = now;
                 }
             }
+        }
+        if self.log_events {
+            eprintln!("{now:10.3} s  {} of peers {disrupted:?}", e.kind.name());
         }
         if !disrupted.is_empty() {
             let step = self.serving().map(|p| p.machine.step()).max().unwrap_or(0);

@@ -488,8 +488,10 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
                 let why = shoal_protocol::swarm::message::Misconduct::LeftReplicasOut.to_string();
                 assert!(r.banned.iter().all(|b| b.2 == why), "{table}");
             }
-            // Its share and part never come: it is accused of withholding them.
-            "nan" => assert_eq!(banned.len(), 2, "{behavior}: {table}"),
+            // Its shares never come. It used to be accused of withholding them and banned
+            // (seed 1: at 87 and 130 s, the run's end); now it falls two rounds behind within
+            // a few rounds, which leave it out from then on, unbanned (the run ends at 89 s).
+            // Either way its NaN never reaches a replica (asserted above).
             // Only the last stage reads targets: the attacker there trains on wrong ones, and
             // its shares give it away.
             "label-flip" => assert!(banned.contains(&r.attackers[1]), "{table}"),
@@ -712,4 +714,175 @@ fn a_slow_peer_lying_about_its_throughput_draws_no_more_work_than_it_serves() {
         "the liar's run took {ratio:.2}x the honest one: {}",
         lied.table()
     );
+}
+
+/// One swarm of the seed sweep on `link`: nine peers of two kinds in three stages, `steps`
+/// long, with modelled compute (so that a run lasts a minute of simulated time on every link
+/// without a minute of real training). Without `events`, the calibration run that times it.
+fn sweep_scenario(link: &str, steps: u64, events: &str) -> String {
+    format!(
+        r#"
+[run]
+preset = "nano"
+stages = 3
+sync = "allreduce"
+compute = "modelled"
+global_batch = 32
+microbatch = 8
+steps = {steps}
+
+[[peers]]
+count = 6
+device = "rtx3090"
+link = "{link}"
+
+[[peers]]
+count = 3
+device = "t4"
+link = "{link}"
+{events}"#
+    )
+}
+
+/// Runs `seeds` on every link preset: a partition that cuts three peers off (which ones, the
+/// seed draws), its heal, then a crash. The run is made to last about a minute of simulated
+/// training (20 to 1,000 steps), the events fall at the same fractions of it on every link,
+/// and the partition lasts 15 s (past a connection's idle timeout) where the run is long
+/// enough, two fifths of it otherwise (datacenter and metro links, where 1,000 steps take
+/// 4-25 s). Returns every run that did not reach its last step with the replicas agreeing,
+/// with what replays it; prints how many steps after the heal the step time came back.
+fn sweep(seeds: std::ops::RangeInclusive<u64>) -> Vec<String> {
+    let links = shoal_netsim::link::LINKS.map(|l| l.name);
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = links
+            .iter()
+            .map(|link| {
+                let seeds = seeds.clone();
+                scope.spawn(move || sweep_link(link, seeds))
+            })
+            .collect();
+        runs.into_iter().flat_map(|r| r.join().unwrap()).collect()
+    })
+}
+
+fn sweep_link(link: &str, seeds: std::ops::RangeInclusive<u64>) -> Vec<String> {
+    // The calm run's training time: from its first step to its end.
+    let calm = |steps| {
+        let r = run(&sweep_scenario(link, steps, ""), 1);
+        assert!(r.finished, "{link}: {}", r.table());
+        (r.tokens_curve[1].0, r.sim_seconds)
+    };
+    let (_, short) = calm(20);
+    let (_, long) = calm(40);
+    let steps = ((60.0 * 20.0 / (long - short)).ceil() as u64).clamp(20, 1000);
+    let (start, end) = calm(steps);
+    let at = |fraction: f64| start + fraction * (end - start);
+    let cut = at(0.1);
+    let heal = cut + 15.0_f64.min(at(0.5) - cut);
+    let crash = at(0.75);
+    let events = format!(
+        r#"
+[[events]]
+at_s = {cut}
+kind = "partition"
+count = 3
+
+[[events]]
+at_s = {heal}
+kind = "heal"
+
+[[events]]
+at_s = {crash}
+kind = "crash"
+count = 1
+"#
+    );
+    let text = sweep_scenario(link, steps, &events);
+    let mut failed = Vec::new();
+    let mut recoveries = Vec::new();
+    for seed in seeds {
+        let r = run(&text, seed);
+        if let Some(back) = steps_until_pace_returns(&r, (start, cut), (heal, crash)) {
+            recoveries.push(back);
+        }
+        if !(r.finished && r.honest_agree && r.double_commits == 0 && r.violations == 0) {
+            failed.push(format!(
+                "link {link} seed {seed}: finished {}, replicas agree {} (replay: shoal \
+                 netsim SCENARIO --seed {seed} with SCENARIO:\n{text}):\n{}",
+                r.finished,
+                r.honest_agree,
+                r.table()
+            ));
+        }
+    }
+    recoveries.sort_unstable();
+    println!(
+        "{link}: {steps} steps, {:.1} s of training when calm; the step time came back \
+         after the heal in {} runs, after (median, max) {:?} and {:?} steps",
+        end - start,
+        recoveries.len(),
+        recoveries.get(recoveries.len() / 2),
+        recoveries.last()
+    );
+    failed
+}
+
+/// How many steps after `heal` (and before `then`, the next event) the run's step time comes
+/// back to its level in `before` (the median step time there): the first step from which
+/// three in a row take at most 1.5 times as long. None if it does not, or if `before` holds
+/// no step to compare with.
+fn steps_until_pace_returns(
+    r: &Report,
+    before: (f64, f64),
+    (heal, then): (f64, f64),
+) -> Option<u64> {
+    let steps: Vec<(f64, f64)> = r
+        .tokens_curve
+        .windows(2)
+        .map(|w| (w[1].0, w[1].0 - w[0].0))
+        .collect();
+    let mut calm: Vec<f64> = steps
+        .iter()
+        .filter(|(at, _)| (before.0..before.1).contains(at))
+        .map(|(_, took)| *took)
+        .collect();
+    calm.sort_by(f64::total_cmp);
+    let pace = *calm.get(calm.len() / 2)?;
+    let after: Vec<f64> = steps
+        .iter()
+        .filter(|(at, _)| (heal..then).contains(at))
+        .map(|(_, took)| *took)
+        .collect();
+    after
+        .windows(3)
+        .position(|w| w.iter().all(|took| *took <= 1.5 * pace))
+        .map(|i| i as u64)
+}
+
+/// The seed sweep, in the manner of simulation-tested databases: on every link preset, nine
+/// seeds of a run with a crash, a partition and a heal (54 runs) reach the last step with the
+/// replicas agreeing. A seed that does not is printed with its scenario, for replay.
+#[test]
+fn every_link_preset_survives_a_crash_a_partition_and_a_heal() {
+    let failed = sweep(1..=9);
+    assert!(failed.is_empty(), "{}", failed.join("\n\n"));
+}
+
+/// The long sweep (`SHOAL_SWEEP_SEEDS` seeds per link preset, 170 by default: 1,020 runs),
+/// too long for every test run: `cargo test --release -p shoal-tests --test netsim --
+/// --ignored long_seed_sweep`.
+#[test]
+#[ignore]
+fn long_seed_sweep() {
+    let seeds: u64 = std::env::var("SHOAL_SWEEP_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(170);
+    let failed = sweep(1..=seeds);
+    println!(
+        "{} of {} runs failed",
+        failed.len(),
+        shoal_netsim::link::LINKS.len() as u64 * seeds
+    );
+    assert!(failed.is_empty(), "{}", failed.join("\n\n"));
 }

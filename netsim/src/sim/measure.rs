@@ -77,6 +77,30 @@ impl Sim {
         }
     }
 
+    /// Every stage's honest replicas at its last round hold one parameter hash (a replica
+    /// that has not averaged since it downloaded has none to compare).
+    pub(super) fn honest_replicas_agree(&self) -> bool {
+        let mut last: BTreeMap<u32, (u64, BTreeSet<u64>)> = BTreeMap::new();
+        let honest = self
+            .peers
+            .iter()
+            .filter(|p| p.alive() && !p.attacker() && p.machine.is_serving());
+        for p in honest {
+            let (Some(stage), Some(hash)) = (p.machine.stage(), p.machine.params_hash()) else {
+                continue;
+            };
+            let round = p.machine.round();
+            let entry = last.entry(stage).or_insert((round, BTreeSet::new()));
+            if round > entry.0 {
+                *entry = (round, BTreeSet::new());
+            }
+            if round == entry.0 {
+                entry.1.insert(hash);
+            }
+        }
+        last.values().all(|(_, hashes)| hashes.len() == 1)
+    }
+
     pub(super) fn check_recoveries(&mut self) {
         let lowest = self.serving().map(|p| p.machine.step()).min().unwrap_or(0);
         let now = self.now_s();
@@ -183,23 +207,7 @@ impl Sim {
                 .filter(|p| p.alive() && !p.attacker() && p.machine.is_serving())
         };
         let nonfinite_replicas = honest().filter(|p| p.holds_nonfinite()).count();
-        // Every stage's honest replicas at its last round hold one parameter hash (a replica
-        // that has not averaged since it downloaded has none to compare).
-        let mut last: BTreeMap<u32, (u64, BTreeSet<u64>)> = BTreeMap::new();
-        for p in honest() {
-            let (Some(stage), Some(hash)) = (p.machine.stage(), p.machine.params_hash()) else {
-                continue;
-            };
-            let round = p.machine.round();
-            let entry = last.entry(stage).or_insert((round, BTreeSet::new()));
-            if round > entry.0 {
-                *entry = (round, BTreeSet::new());
-            }
-            if round == entry.0 {
-                entry.1.insert(hash);
-            }
-        }
-        let honest_agree = last.values().all(|(_, hashes)| hashes.len() == 1);
+        let honest_agree = self.honest_replicas_agree();
         let attackers = (0..self.peers.len())
             .filter(|i| self.peers[*i].attacker())
             .collect();

@@ -63,6 +63,13 @@ struct RoundHistory {
 }
 
 impl RoundHistory {
+    /// The median root-mean-square of the rounds kept (0 when none is).
+    fn median_rms(&self) -> f64 {
+        let mut sizes: Vec<f64> = self.rounds.iter().map(|r| r.rms).collect();
+        sizes.sort_by(f64::total_cmp);
+        sizes.get(sizes.len() / 2).copied().unwrap_or(0.0)
+    }
+
     /// Keeps `record`, forgetting the oldest beyond [`HISTORY_BYTES`] (or the retention asked
     /// for, see [`CatchUp::keep_since`]).
     fn remember(&mut self, record: Record) {
@@ -296,8 +303,10 @@ impl CatchUp {
             );
             return Some(Err(lied));
         };
-        // The rounds this replica applied itself say how large a round's result is.
-        let expected = self.history.rounds.back().map_or(0.0, |h| h.rms);
+        // The rounds this replica applied itself say how large a round's result is: the
+        // median of those kept, as one round can be near zero (its contributions left out
+        // or zeroed), and would make any honest round look absurd.
+        let expected = self.history.median_rms();
         let rms = norms::rms(&values);
         if !norms::within(rms, expected) {
             out.violation(from, "a catch-up far larger than the rounds before it");
@@ -552,6 +561,27 @@ mod tests {
         assert_eq!(c.expire(299 * MS), None);
         assert_eq!(c.expire(300 * MS).map(|r| r.from), Some(PeerKey(9)));
         assert!(!c.asking());
+    }
+
+    /// Regression: after a partition healed, a replica whose last round was all but zero
+    /// (its contributions left out) took an honest catch-up for an absurd one, and accused
+    /// its sender. What a round is expected to weigh is the median of the rounds kept.
+    #[test]
+    fn one_round_near_zero_does_not_make_honest_catch_ups_look_absurd() {
+        let mut c = CatchUp::default();
+        let mut out = Outbox::new(ME);
+        for round in 0..3 {
+            c.remember(round, &[0.5; 3], &[None], 8.0);
+        }
+        c.remember(3, &[1e-9; 3], &[None], 8.0);
+        c.ask(&mut out, PeerKey(9), 1, 4, 300 * MS);
+        let honest = crate::codec::encode_to_vec(Codec::Fp32, &[0.4; 3], &[3]).unwrap();
+        let honest = frame_parts([honest.as_slice()]);
+        assert_eq!(
+            c.on_answer(&mut out, PeerKey(9), 4, 1.0, &honest, 3),
+            Some(Ok(vec![0.4; 3]))
+        );
+        assert_eq!(out.violations, 0);
     }
 
     #[test]

@@ -262,18 +262,22 @@ impl StepCoordinator {
             leaders = members.settled(stage);
         }
         // A replica that announces a later round finished this one elsewhere (it ran it
-        // without this replica): it will neither lead this round nor join it.
+        // without this replica): it will neither lead this round nor join it. Nor will one
+        // two rounds behind or more (cut off by a partition, it went on with other replicas
+        // or stalled): it has rounds to catch up with first, and waiting for it would hold
+        // the stage for a round timeout. One round behind is normal (announcements lag the
+        // round that just ended).
         let round = self.round;
-        let not_past = |ks: Vec<PeerKey>| -> Vec<PeerKey> {
+        let in_reach = |ks: Vec<PeerKey>| -> Vec<PeerKey> {
             ks.into_iter()
                 .filter(|k| {
-                    members
-                        .get(*k)
-                        .is_none_or(|m| m.announcement.round <= round)
+                    members.get(*k).is_none_or(|m| {
+                        m.announcement.round <= round && m.announcement.round + 1 >= round
+                    })
                 })
                 .collect()
         };
-        (not_past(leaders), not_past(members.workers(stage)))
+        (in_reach(leaders), in_reach(members.workers(stage)))
     }
 
     /// Whether this replica of `stage` is new to it: it took its state from another replica

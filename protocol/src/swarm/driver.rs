@@ -246,8 +246,10 @@ impl Driver {
 
     /// Retries the microbatches whose attempt timed out (same sample, new attempt id), and
     /// drops those out of attempts: their attempts are aborted here and at their first hop.
-    pub fn expire(&mut self, out: &mut Outbox, timing: &Timing, now: Duration) {
+    /// Returns whether a microbatch was dropped (what this driver has in flight fell).
+    pub fn expire(&mut self, out: &mut Outbox, timing: &Timing, now: Duration) -> bool {
         let deadline = self.microbatch_deadline(timing);
+        let mut dropped = false;
         let ids = &mut self.ids;
         let expired = self
             .ledger
@@ -266,6 +268,7 @@ impl Driver {
                     input: Input::Tokens,
                 }),
                 Expiry::Dropped(entry) => {
+                    dropped = true;
                     for (a, hop) in entry.live {
                         out.compute(Job::Abort { id: a });
                         if let Some(h) = hop {
@@ -278,6 +281,7 @@ impl Driver {
                 }
             }
         }
+        dropped
     }
 
     /// The first hop of the attempt before `attempt` of the same microbatch: a retry goes
@@ -670,7 +674,10 @@ mod tests {
         out.jobs.finished(Duration::ZERO);
         d.sent(first, PeerKey(7));
         assert_eq!(d.next_timeout(), Some(t.microbatch_deadline));
-        d.expire(&mut out, &t, t.microbatch_deadline);
+        assert!(
+            !d.expire(&mut out, &t, t.microbatch_deadline),
+            "retried, not dropped"
+        );
         let Some(Job::Forward {
             id: retry,
             sample,
@@ -688,8 +695,9 @@ mod tests {
             Some(PeerKey(7)),
             "the retry avoids it"
         );
-        // Out of attempts: both attempts are aborted, the first also at its first hop.
-        d.expire(&mut out, &t, 2 * t.microbatch_deadline);
+        // Out of attempts: both attempts are aborted, the first also at its first hop, and
+        // the caller hears of it (the other drivers must learn what is no longer in flight).
+        assert!(d.expire(&mut out, &t, 2 * t.microbatch_deadline));
         let mut aborted = Vec::new();
         while let Some(job) = out.jobs.next(Duration::ZERO) {
             aborted.push(job);

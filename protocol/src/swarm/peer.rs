@@ -574,8 +574,12 @@ impl Peer {
             Phase::Syncing { deadline, .. } if now >= deadline => self.sync_overdue(now),
             _ => {}
         }
-        if self.is_driver() {
-            self.driver.expire(&mut self.out, &self.timing, now);
+        if self.is_driver() && self.driver.expire(&mut self.out, &self.timing, now) {
+            // The other drivers count what this one has in flight toward the step: samples
+            // dropped and never reported would hold their part of it back for good.
+            if self.allreduce() {
+                self.send_progress();
+            }
         }
         self.server.expire(&mut self.out, now);
         let next_waiting = self.server.next_step_waiting_since(self.steps.round());

@@ -251,8 +251,10 @@ impl StepCoordinator {
         }
     }
 
-    /// Catches up with `ahead`, or rather with the replica this one downloaded from while it
-    /// serves (see `on_replica_announced`): now if it is ahead, else once it announces it is.
+    /// Catches up with the replica this one downloaded from where it serves and is ahead
+    /// (see `on_replica_announced`), else with `ahead`. A source no further than this replica
+    /// is not waited for: after a partition two replicas can each hold the other as source,
+    /// at one round, while a third is ahead of both.
     pub(super) fn catch_up_with(
         &mut self,
         out: &mut Outbox,
@@ -263,8 +265,7 @@ impl StepCoordinator {
     ) {
         match self.source_serving(stage, members) {
             Some(source) if source.1 > self.round => self.catch_up(out, stage, source.0, now),
-            Some(_) => {}
-            None => self.catch_up(out, stage, ahead, now),
+            _ => self.catch_up(out, stage, ahead, now),
         }
     }
 }

@@ -382,3 +382,46 @@ fn a_stage_ends_the_run_only_in_agreement() {
     m.set_checked(PeerKey(9), true, true);
     assert!(c.stage_agrees(1, &m));
 }
+
+/// Regression (seed sweep, a partition that healed): two replicas that each downloaded from
+/// the other sat at one round, each waiting for its source to bring the next, while a third
+/// replica was a round ahead of both. A source no further than this replica is not waited for.
+#[test]
+fn replicas_that_are_each_others_source_catch_up_with_the_replica_ahead() {
+    let m = members(&[(8, 1, 0, Some(7)), (9, 1, 1, Some(3))]);
+    let mut out = Outbox::new(ME);
+    let mut c = serving(SyncMode::AllReduce);
+    c.start_serving(Some(7), Some(PeerKey(8)), Duration::ZERO);
+    c.settle_until = None;
+    c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
+    assert_eq!(
+        sends(&mut out),
+        [(PeerKey(9), Message::CatchUpRequest { stage: 1, round: 0 })]
+    );
+    assert!(!c.in_round());
+}
+
+/// Regression (seed sweep): after a partition healed, replicas the other side had left far
+/// behind were counted into the stage's rounds, which then waited a round timeout for shares
+/// that could not come. A replica two rounds behind is left out; one round behind is not (its
+/// announcement of the round that just ended may still be on its way).
+#[test]
+fn a_replica_two_rounds_behind_is_left_out_of_the_round() {
+    let m = members(&[
+        (8, 1, 0, None),
+        (9, 1, 2, None),
+        (7, 1, 1, None),
+        (6, 1, 3, None),
+    ]);
+    let mut c = serving(SyncMode::AllReduce);
+    c.round = 2;
+    let (leaders, workers) = c.round_members(1, &m);
+    let mut workers = workers;
+    workers.sort();
+    assert_eq!(
+        workers,
+        [PeerKey(7), PeerKey(9)],
+        "not 8 (behind) nor 6 (past)"
+    );
+    assert!(leaders.iter().all(|k| workers.contains(k)), "{leaders:?}");
+}

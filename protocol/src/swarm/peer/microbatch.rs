@@ -54,19 +54,43 @@ impl Peer {
         self.stage_replicas().iter().all(|c| *c > 0)
     }
 
-    /// This peer's stage took the run's last step and its replicas agree on where it ended;
-    /// every peer serving a stage took its stage's last step.
+    /// The run is over as far as this peer is concerned: its stage took the run's last step
+    /// and its replicas agree on where it ended; every replica of its stage it vouches for
+    /// took the last step (a banned one's word is not waited for); and every other stage has
+    /// a replica that took it. A laggard of another stage is its own stage's to wait for and
+    /// catch up: waiting for it here would let an identity banned by its own stage, which
+    /// the others cannot judge, keep the whole swarm from ending by announcing it is behind.
     pub(super) fn everyone_finished(&self) -> bool {
         let Some(stage) = self.role.serving() else {
             return false;
         };
-        self.steps.finished()
-            && self.steps.stage_agrees(stage, &self.members)
-            && self
-                .members
-                .iter()
-                .filter(|(_, m)| m.announcement.state == MemberState::Serving)
-                .all(|(_, m)| m.announcement.finished)
+        if !(self.steps.finished() && self.steps.stage_agrees(stage, &self.members)) {
+            return false;
+        }
+        let vouched = self.members.vouched(stage);
+        let mut stage_ended = vec![false; self.config.stages as usize];
+        let mut stage_served = vec![false; self.config.stages as usize];
+        for (k, m) in self.members.iter() {
+            let a = &m.announcement;
+            let Some(s) = a.stage.filter(|_| a.state == MemberState::Serving) else {
+                continue;
+            };
+            if self.bans.is_banned(*k) {
+                continue;
+            }
+            if s == stage && vouched(*k) && !a.finished {
+                return false;
+            }
+            if let Some(i) = usize::try_from(s).ok().filter(|i| *i < stage_ended.len()) {
+                stage_served[i] = true;
+                stage_ended[i] |= a.finished;
+            }
+        }
+        stage_served
+            .iter()
+            .zip(&stage_ended)
+            .enumerate()
+            .all(|(i, (served, ended))| i == stage as usize || !served || *ended)
     }
 
     /// Starts what the step needs, if this peer drives.
