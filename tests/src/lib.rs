@@ -311,6 +311,22 @@ impl RunProcess {
         }
     }
 
+    /// The run id and bootstrap address of the first "others join with" line it printed
+    /// whose address satisfies `pred`; panics after `timeout`.
+    pub fn join_command(
+        &mut self,
+        timeout: Duration,
+        pred: impl Fn(&str) -> bool,
+    ) -> (String, String) {
+        let join = self.wait_line(timeout, |l| l.contains("--bootstrap") && pred(l));
+        let words: Vec<&str> = join.split_whitespace().collect();
+        let after = |flag: &str| {
+            let at = words.iter().position(|w| *w == flag).expect("a join line");
+            words[at + 1].to_owned()
+        };
+        (after("--run"), after("--bootstrap"))
+    }
+
     /// Moves the lines that have arrived into `seen`.
     fn take_lines(&mut self) {
         while let Ok(l) = self.lines.try_recv() {

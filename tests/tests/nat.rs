@@ -153,12 +153,7 @@ fn train_across_nats(name: &str, masquerade: &str) -> Option<String> {
     );
     // Nobody told `a` it is behind a NAT, nor which relay to use.
     a.wait_line(LONG, |l| l.starts_with("behind a NAT"));
-    let join = a.wait_line(LONG, |l| {
-        l.contains("--bootstrap") && l.contains("p2p-circuit")
-    });
-    let words: Vec<&str> = join.split_whitespace().collect();
-    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1];
-    let (run, circuit) = (after("--run").to_owned(), after("--bootstrap").to_owned());
+    let (run, circuit) = a.join_command(LONG, |l| l.contains("p2p-circuit"));
     let mut b = RunProcess::start_in(
         Some(&net.ns("b")),
         &dir,

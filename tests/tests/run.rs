@@ -39,10 +39,7 @@ fn start(dir: &Path, name: &str, args: &[String]) -> RunProcess {
 
 /// The run id and bootstrap address the creator prints for others to join with.
 fn run_to_join(creator: &mut RunProcess) -> (String, String) {
-    let join = creator.wait_line(LONG, |l| l.contains("--bootstrap"));
-    let words: Vec<&str> = join.split_whitespace().collect();
-    let after = |flag: &str| words[words.iter().position(|w| *w == flag).unwrap() + 1].to_owned();
-    (after("--run"), after("--bootstrap"))
+    creator.join_command(LONG, |_| true)
 }
 
 fn stage_of(p: &mut RunProcess) -> u64 {
