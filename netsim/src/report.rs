@@ -48,7 +48,8 @@ pub struct Report {
     pub loss_curve: Vec<(f64, u64, f64)>,
     /// `[sim_s, tokens trained so far]` per step.
     pub tokens_curve: Vec<(f64, u64)>,
-    /// Bytes sent, by kind of traffic.
+    /// Bytes sent, by kind of traffic (`gossip`: announcements through the gossip mesh,
+    /// every copy and id advertisement; `control` holds those sent directly).
     pub bytes: BTreeMap<String, u64>,
     /// Activation and activation-gradient messages sent, by the codec their sender chose for
     /// the hop (`int8`, `int4`, ...).
@@ -174,6 +175,7 @@ impl Report {
             "averaging",
             "state",
             "control",
+            "gossip",
         ] {
             let b = self.bytes.get(kind).copied().unwrap_or(0);
             row(

@@ -30,6 +30,7 @@ use std::time::Duration;
 use xxhash_rust::xxh3::Xxh3Default;
 
 mod measure;
+mod mesh;
 
 /// Progress, for a progress bar.
 #[derive(Clone, Copy, Debug)]
@@ -144,11 +145,12 @@ enum Ev {
     Join(usize),
     /// A scripted event.
     Script(usize),
-    /// A message arrives.
+    /// A message of `bytes` on the wire arrives.
     Deliver {
         to: usize,
         from: usize,
         msg: Message,
+        bytes: u64,
     },
     /// A message's acknowledgement reached its sender `peer`: the transfer took `elapsed` on a
     /// path whose round trip is `rtt`.
@@ -158,6 +160,22 @@ enum Ev {
         bytes: u64,
         elapsed: u64,
         rtt: u64,
+    },
+    /// A gossiped announcement of `origin` reaches `to` from `via`, its mesh neighbour.
+    Gossip {
+        to: usize,
+        via: usize,
+        origin: usize,
+        msg: Message,
+    },
+    /// A message sent across a partition is sent again (QUIC's probe timeout): delivered if
+    /// the partition healed meanwhile, failed once the connection has timed out.
+    Retransmit {
+        from: usize,
+        to: usize,
+        msg: Message,
+        bytes: u64,
+        backoff: u64,
     },
     /// A send failed (the receiver is unreachable and the connection timed out).
     SendFailed { peer: usize, to: PeerKey },
@@ -176,6 +194,8 @@ impl Ev {
             Ev::Script(i) => (1, *i as u64, 0),
             Ev::Deliver { to, from, .. } => (2, *to as u64, *from as u64),
             Ev::SendFailed { peer, to } => (3, *peer as u64, to.0),
+            Ev::Retransmit { from, to, .. } => (8, *from as u64, *to as u64),
+            Ev::Gossip { to, origin, .. } => (9, *to as u64, *origin as u64),
             Ev::Delivered { peer, to, .. } => (7, *peer as u64, *to as u64),
             Ev::PeerLost { peer, lost } => (4, *peer as u64, *lost as u64),
             Ev::Computed { peer, .. } => (5, *peer as u64, 0),
@@ -243,6 +263,8 @@ pub struct Sim {
     peers: Vec<SimPeer>,
     by_key: BTreeMap<PeerKey, usize>,
     next_side: u32,
+    /// The gossip mesh announcements travel through.
+    mesh: mesh::Mesh,
     trace: Xxh3Default,
     events: u64,
     // What the report needs.
@@ -251,6 +273,8 @@ pub struct Sim {
     loss_curve: Vec<(f64, u64, f64)>,
     tokens_curve: Vec<(f64, u64)>,
     bytes: BTreeMap<Traffic, u64>,
+    /// Bytes of gossip through the mesh (see [`mesh`]).
+    gossip_bytes: u64,
     boundary_codecs: BTreeMap<String, u64>,
     committed: BTreeSet<(u32, u64)>,
     double_commits: u64,
@@ -301,6 +325,7 @@ impl Sim {
             peers: Vec::new(),
             by_key: BTreeMap::new(),
             next_side: 1,
+            mesh: mesh::Mesh::new(seed),
             trace: Xxh3Default::new(),
             events: 0,
             step: 0,
@@ -308,6 +333,7 @@ impl Sim {
             loss_curve: Vec::new(),
             tokens_curve: vec![(0.0, 0)],
             bytes: BTreeMap::new(),
+            gossip_bytes: 0,
             boundary_codecs: BTreeMap::new(),
             committed: BTreeSet::new(),
             double_commits: 0,
@@ -424,14 +450,19 @@ impl Sim {
                 self.join(&group)?;
             }
             Ev::Script(i) => self.script(i)?,
-            Ev::Deliver { to, from, msg } => {
+            Ev::Deliver {
+                to,
+                from,
+                msg,
+                bytes,
+            } => {
                 if !self.peers[to].alive() || self.peers[to].sybil {
                     return Ok(());
                 }
                 if self.peers[to].side != self.peers[from].side {
-                    // Cut off in flight: the sender learns when its connection times out.
-                    let cut = self.peers[to].side_since.max(self.peers[from].side_since);
-                    self.fail_send(from, to, cut);
+                    // Cut off in flight: lost, and sent again until the partition heals or
+                    // the connection times out.
+                    self.retransmit_later(from, to, msg, bytes, None);
                     return Ok(());
                 }
                 let key = self.peers[from].key;
@@ -452,6 +483,30 @@ impl Sim {
                     let m = &mut self.peers[peer].machine;
                     m.handle_rtt(key, Duration::from_nanos(rtt));
                     m.handle_delivered(key, bytes, Duration::from_nanos(elapsed));
+                }
+            }
+            Ev::Gossip {
+                to,
+                via,
+                origin,
+                msg,
+            } => {
+                let reachable = self.peers[via].side == self.peers[to].side;
+                if self.peers[to].alive() && !self.peers[to].sybil && reachable {
+                    let (origin, via) = (self.peers[origin].key, self.peers[via].key);
+                    self.peers[to].machine.handle_gossip(origin, via, msg, now);
+                    self.after(to);
+                }
+            }
+            Ev::Retransmit {
+                from,
+                to,
+                msg,
+                bytes,
+                backoff,
+            } => {
+                if self.peers[from].alive() {
+                    self.transmit(from, to, msg, bytes, Some(backoff));
                 }
             }
             Ev::SendFailed { peer, to } => {
@@ -753,6 +808,37 @@ impl Sim {
         self.schedule(ns(at), Ev::SendFailed { peer: from, to });
     }
 
+    /// Schedules the next try of a message cut off by a partition, or its failure once the
+    /// connection has been cut for the idle timeout. The first probe timeout is three round
+    /// trips (at least 10 ms), as QUIC's is with no RTT variance.
+    fn retransmit_later(
+        &mut self,
+        from: usize,
+        to: usize,
+        msg: Message,
+        bytes: u64,
+        backoff: Option<u64>,
+    ) {
+        let cut = self.peers[to].side_since.max(self.peers[from].side_since);
+        let timed_out = ns(cut + self.setup.sim.idle_timeout_s);
+        if self.now >= timed_out {
+            self.fail_send(from, to, cut);
+            return;
+        }
+        let backoff = match backoff {
+            Some(b) => 2 * b,
+            None => ns((6.0 * self.latency(from, to)).max(0.010)),
+        };
+        let ev = Ev::Retransmit {
+            from,
+            to,
+            msg,
+            bytes,
+            backoff,
+        };
+        self.schedule((self.now + backoff).min(timed_out), ev);
+    }
+
     /// Sends `msg` from `from` to `to` through the link model.
     fn send(&mut self, from: usize, to: usize, msg: Message) {
         let env = Envelope { run: self.run, msg };
@@ -763,13 +849,21 @@ impl Sim {
         if let Some(codec) = env.msg.boundary_codec() {
             *self.boundary_codecs.entry(codec).or_default() += 1;
         }
-        let reachable = self.peers[to].alive() && self.peers[to].side == self.peers[from].side;
-        if !reachable {
-            let cut = match self.peers[to].gone_at {
-                Some(t) => t,
-                None => self.peers[to].side_since.max(self.peers[from].side_since),
-            };
-            self.fail_send(from, to, cut);
+        self.transmit(from, to, env.msg, bytes, None);
+    }
+
+    /// Puts `bytes` of `msg` on the path from `from` to `to`: delivered if `to` is reachable,
+    /// failed once the connection times out if it crashed, and sent again after a probe
+    /// timeout (`backoff`, doubling from the last) if a partition cuts them apart, as QUIC
+    /// does: a partition that heals before the idle timeout delays messages, it does not lose
+    /// them.
+    fn transmit(&mut self, from: usize, to: usize, msg: Message, bytes: u64, backoff: Option<u64>) {
+        if let Some(gone) = self.peers[to].gone_at {
+            self.fail_send(from, to, gone);
+            return;
+        }
+        if self.peers[to].side != self.peers[from].side {
+            self.retransmit_later(from, to, msg, bytes, backoff);
             return;
         }
         let now = self.now_s();
@@ -777,7 +871,7 @@ impl Sim {
             let (a, b) = pair(&mut self.peers, from, to);
             deliver(now, bytes, &mut a.link, &mut b.link)
         };
-        if !matches!(env.msg, Message::Announce(_)) {
+        if !matches!(msg, Message::Announce(_)) {
             // The node times every message but gossip from its hand-over to the receiver's
             // acknowledgement, one path latency after the arrival.
             let latency = self.latency(from, to);
@@ -796,19 +890,24 @@ impl Sim {
             Ev::Deliver {
                 to,
                 from,
-                msg: env.msg,
+                msg,
+                bytes,
             },
         );
     }
 
-    /// Gossips an announcement to every peer `from` can reach.
-    fn gossip(&mut self, from: usize, a: shoal_protocol::swarm::Announcement) {
-        for to in 0..self.peers.len() {
-            if to != from && self.peers[to].alive() && self.peers[to].side == self.peers[from].side
-            {
-                self.send(from, to, Message::Announce(a.clone()));
-            }
-        }
+    /// Gossips `origin`'s announcement: through the mesh from `origin`, or from the
+    /// attacker that speaks for it if it is a sybil identity.
+    fn gossip(&mut self, origin: usize, a: shoal_protocol::swarm::Announcement) {
+        let publisher = match self.peers[origin].sybil {
+            true => self
+                .peers
+                .iter()
+                .position(|p| p.sybils.contains(&origin))
+                .unwrap_or(origin),
+            false => origin,
+        };
+        self.publish(publisher, origin, a);
     }
 
     /// Carries out what peer `i`'s machine asks, then sets its timer.

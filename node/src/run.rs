@@ -428,12 +428,20 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
     let mut stall = Stall::new(args.stall_timeout)?;
+    // The caps on connections and streams follow what this peer's stage needs.
+    let mut peers_needed = 0;
     let ending = loop {
         tokio::select! {
             _ = &mut ctrl_c => break Ending::Interrupted,
             _ = timer.tick() => {
                 if peer.poll_timeout().is_some_and(|t| t <= now()) {
                     peer.handle_timeout(now());
+                }
+                let needed = peer.peers_needed();
+                if needed != peers_needed {
+                    peers_needed = needed;
+                    let caps = handle.need_peers(needed).await?;
+                    tracing::debug!(needed, ?caps, "connection and stream caps");
                 }
                 progress.maybe_print(&peer, &tally, start);
                 progress.download(&peer);
@@ -536,6 +544,10 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                         continue;
                     };
                     let traffic = msg.traffic();
+                    if matches!(msg, Message::Announce(_)) {
+                        // Told directly already: no answer owed this period.
+                        answered_directly.insert(to, Instant::now());
+                    }
                     if let Some(codec) = msg.boundary_codec() {
                         *tally.boundary_codecs.entry(codec).or_default() += 1;
                     }

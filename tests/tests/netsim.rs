@@ -237,9 +237,11 @@ stage = 1
 }
 
 /// With no codec named, each boundary hop goes out in int8 while its link keeps pace with
-/// the sender's device and in int4 where it does not: all int8 among peers on 10 Gbit/s
-/// links, mostly int4 among peers on home links (the first messages of each link go out
-/// before it is measured), both in a swarm that mixes them; a codec named is used
+/// the sender's device and in int4 where it does not: int8 among peers on 10 Gbit/s links
+/// (but for the odd message that queued behind a round's shares: there a `micro` stage's
+/// int8 activations take about half its compute time, the budget; seeds 1-4 gave 0-24 of
+/// about 320 in int4), mostly int4 among peers on home links (the first messages of each link
+/// go out before it is measured), both in a swarm that mixes them; a codec named is used
 /// everywhere.
 #[test]
 fn each_boundary_hop_picks_its_codec_from_its_link() {
@@ -264,10 +266,7 @@ fn each_boundary_hop_picks_its_codec_from_its_link() {
     for r in [&fast, &slow, &mixed, &named] {
         assert!(r.finished, "{tables}");
     }
-    assert!(
-        count(&fast, "int8") > 0 && count(&fast, "int4") == 0,
-        "{tables}"
-    );
+    assert!(count(&fast, "int8") > 9 * count(&fast, "int4"), "{tables}");
     assert!(count(&slow, "int4") > 9 * count(&slow, "int8"), "{tables}");
     assert!(
         count(&mixed, "int8") > 0 && count(&mixed, "int4") > 0,
@@ -318,6 +317,35 @@ fn a_swarm_cut_in_two_finishes_after_the_heal() {
         assert!(r.finished && r.honest_agree, "seed {seed}: {table}");
         assert!(
             r.recoveries.iter().all(|c| c.seconds.is_some()),
+            "seed {seed}: {table}"
+        );
+    }
+}
+
+/// A partition that heals before the connections' idle timeout loses no message: QUIC sends
+/// again what the cut lost, so the run only waits. The seeds are ones that once stalled for
+/// good (at step 93 of 1,000, nothing retried or re-synced) when the simulator dropped those
+/// messages, and told their senders only at the timeout, though the connection had healed.
+#[test]
+fn a_partition_shorter_than_the_idle_timeout_only_delays_messages() {
+    let events = r#"
+[[events]]
+at_s = 2.4
+kind = "partition"
+count = 3
+
+[[events]]
+at_s = 4.0
+kind = "heal"
+"#;
+    let text = sweep_scenario("datacenter", 1000, events);
+    for seed in [26, 39] {
+        let r = run(&text, seed);
+        let table = r.table();
+        assert!(r.finished && r.honest_agree, "seed {seed}: {table}");
+        assert_eq!(
+            (r.resyncs, r.microbatches_dropped),
+            (0, 0),
             "seed {seed}: {table}"
         );
     }

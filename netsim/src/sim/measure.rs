@@ -246,6 +246,7 @@ impl Sim {
                         self.bytes.get(t).copied().unwrap_or(0),
                     )
                 })
+                .chain([("gossip".to_string(), self.gossip_bytes)])
                 .collect(),
             boundary_codecs: self.boundary_codecs,
             tokens: self.tokens,

@@ -217,7 +217,7 @@ pub struct DirectEndpoint {
     connections: Mutex<HashMap<PeerId, quinn::Connection>>,
     /// Inbound connections alive now, and the most allowed.
     inbound: Arc<AtomicUsize>,
-    max_inbound: usize,
+    max_inbound: AtomicUsize,
     ip_slots: super::ip_limits::IpSlots,
     /// Peers cut off (see [`DirectEndpoint::ban`]).
     banned: Mutex<HashSet<PeerId>>,
@@ -270,7 +270,7 @@ impl DirectEndpoint {
             endpoint,
             connections: Mutex::default(),
             inbound: Arc::default(),
-            max_inbound,
+            max_inbound: AtomicUsize::new(max_inbound),
             ip_slots,
             banned: Mutex::default(),
             inbound_conns: Mutex::default(),
@@ -325,6 +325,11 @@ impl DirectEndpoint {
         Ok(DirectStream { send, recv })
     }
 
+    /// Accepts up to `max` inbound connections at once from now on.
+    pub fn set_max_inbound(&self, max: usize) {
+        self.max_inbound.store(max, Ordering::Relaxed);
+    }
+
     /// Cuts `peer` off: the connection to it and its connections here close, and new ones
     /// from it are closed as soon as the handshake names it.
     pub fn ban(&self, peer: PeerId) {
@@ -374,7 +379,9 @@ impl DirectEndpoint {
         admit: impl Fn(PeerId, DirectStream) + Clone + Send + Sync + 'static,
     ) {
         while let Some(incoming) = self.endpoint.accept().await {
-            if self.inbound.fetch_add(1, Ordering::SeqCst) >= self.max_inbound {
+            if self.inbound.fetch_add(1, Ordering::SeqCst)
+                >= self.max_inbound.load(Ordering::Relaxed)
+            {
                 self.inbound.fetch_sub(1, Ordering::SeqCst);
                 tracing::warn!(remote = %incoming.remote_address(), "direct connection refused: too many");
                 incoming.refuse();

@@ -46,6 +46,10 @@ pub(super) async fn event_loop(
                 Some(Command::Peers(reply)) => {
                     let _ = reply.send(swarm.connected_peers().copied().collect());
                 }
+                Some(Command::MaxConnections(n)) => {
+                    let limits = swarm.behaviour_mut().limits.limits_mut();
+                    *limits = limits.clone().with_max_established(Some(n));
+                }
                 Some(Command::Ban(peer)) => {
                     tracing::info!(%peer, "cutting off a banned peer");
                     // Blocking closes its connections and refuses new ones.

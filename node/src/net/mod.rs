@@ -123,7 +123,8 @@ pub struct NetConfig {
     pub relay_server: bool,
     /// The run (or public swarm) whose gossip topics this node joins.
     pub run: String,
-    /// Caps on connections.
+    /// Caps on established connections: the least; the application raises it to what its
+    /// run needs ([`NodeHandle::need_peers`]).
     pub max_connections: u32,
     /// Caps on connections per peer.
     pub max_connections_per_peer: u32,
@@ -209,6 +210,8 @@ enum Command {
     Listen(Multiaddr),
     Peers(oneshot::Sender<Vec<PeerId>>),
     Ban(PeerId),
+    /// Established connections allowed at once from now on.
+    MaxConnections(u32),
 }
 
 /// Direct endpoints that peers advertised, by PeerId.
@@ -224,9 +227,66 @@ pub struct NodeHandle {
     limits: TransportLimits,
     direct: Option<Arc<direct::DirectEndpoint>>,
     direct_addrs: DirectAddrs,
+    admission: tensor::Admission,
+    /// The configured caps: the least [`NodeHandle::need_peers`] leaves.
+    floor: Caps,
+}
+
+/// A node's caps on established connections and on inbound tensor streams open at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Caps {
+    /// Established connections, libp2p's and the direct endpoint's inbound ones each.
+    pub connections: u32,
+    /// Inbound tensor streams open at once, in total.
+    pub streams: usize,
+}
+
+/// Connections per peer needed: a libp2p one, and room for a second while a peer redials, is
+/// reached directly after a relayed connection (hole punching), or uses the direct endpoint.
+pub const CONNECTIONS_PER_PEER_NEEDED: usize = 2;
+
+/// Inbound tensor streams open at once per peer needed: a stage's replicas send a round's
+/// shares, parts and verdicts within moments of each other, and a neighbour stage's peer a
+/// microbatch while another is on its way. What streams hold is bounded apart, by
+/// [`TransportLimits::queued_bytes`].
+pub const STREAMS_PER_PEER_NEEDED: usize = 2;
+
+/// The most either cap is ever raised to: a run past this would need a node per stage
+/// neighbourhood of more than 8,000 peers.
+const MAX_CAP: usize = 16_384;
+
+impl Caps {
+    /// The caps for `peers` peers needed at once (what the protocol counts: a stage and the
+    /// stages next to it, its gossip mesh and the network's own), never below `self`.
+    pub fn for_peers(self, peers: usize) -> Caps {
+        let connections = peers
+            .saturating_mul(CONNECTIONS_PER_PEER_NEEDED)
+            .min(MAX_CAP) as u32;
+        let streams = peers.saturating_mul(STREAMS_PER_PEER_NEEDED).min(MAX_CAP);
+        Caps {
+            connections: connections.max(self.connections),
+            streams: streams.max(self.streams),
+        }
+    }
 }
 
 impl NodeHandle {
+    /// Sizes the caps on connections (libp2p and direct) and on inbound tensor streams for
+    /// `peers` peers needed at once ([`Caps::for_peers`]): a large run's stages need more
+    /// than the configured caps, which stay the least. Returns the caps now in force.
+    pub async fn need_peers(&self, peers: usize) -> anyhow::Result<Caps> {
+        let caps = self.floor.for_peers(peers);
+        self.admission.set_streams_total(caps.streams);
+        if let Some(endpoint) = &self.direct {
+            endpoint.set_max_inbound(caps.connections as usize);
+        }
+        self.commands
+            .send(Command::MaxConnections(caps.connections))
+            .await
+            .context("node stopped")?;
+        Ok(caps)
+    }
+
     /// Publishes `data` on the run's gossip topic.
     pub async fn publish(&self, data: Vec<u8>) -> anyhow::Result<()> {
         let (tx, rx) = oneshot::channel();
@@ -452,6 +512,16 @@ fn build_swarm(
                 .heartbeat_interval(Duration::from_millis(500))
                 .validation_mode(gossipsub::ValidationMode::Strict)
                 .max_transmit_size(64 * 1024)
+                // Ids travel in every IHAVE a peer sends a few neighbours each heartbeat: 8
+                // bytes of the signed message's hash, not the default's ~70 bytes of peer id and
+                // sequence number.
+                .message_id_fn(|m| {
+                    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+                    h.update(&m.source.map(|p| p.to_bytes()).unwrap_or_default());
+                    h.update(&m.sequence_number.unwrap_or_default().to_le_bytes());
+                    h.update(&m.data);
+                    gossipsub::MessageId::from(h.digest().to_le_bytes().to_vec())
+                })
                 // Messages are delivered and forwarded only once `GossipCheck` accepts them.
                 .validate_messages()
                 .build()
@@ -649,7 +719,7 @@ pub async fn start(
                 .accept(move |peer, stream| admission.admit(peer, stream)),
         );
     }
-    tokio::spawn(tensor::accept_frames(incoming, admission));
+    tokio::spawn(tensor::accept_frames(incoming, admission.clone()));
     let direct_addrs = DirectAddrs::default();
     let state = events::SwarmState {
         local: peer_id,
@@ -685,6 +755,11 @@ pub async fn start(
         limits: config.transport,
         direct,
         direct_addrs,
+        admission,
+        floor: Caps {
+            connections: config.max_connections,
+            streams: config.transport.streams_total,
+        },
     };
     Ok((handle, event_rx, frame_rx))
 }

@@ -14,6 +14,7 @@ use libp2p::{PeerId, StreamProtocol};
 use libp2p_stream::{Control, IncomingStreams};
 use shoal_protocol::wire::{FRAME_HEADER_LEN, FrameHeader, FrameKind, FrameLimits};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -31,7 +32,8 @@ pub struct TransportLimits {
     pub frames: FrameLimits,
     /// Inbound tensor streams open at once from one peer.
     pub streams_per_peer: usize,
-    /// Inbound tensor streams open at once in total.
+    /// Inbound tensor streams open at once in total: the least; raised to what the run needs
+    /// ([`super::NodeHandle::need_peers`]).
     pub streams_total: usize,
     /// Bytes of received frames held (being read or queued for the application) at once.
     pub queued_bytes: usize,
@@ -214,6 +216,8 @@ pub async fn open_stream(control: &mut Control, peer: PeerId) -> Result<libp2p::
 #[derive(Clone)]
 pub struct Admission {
     limits: TransportLimits,
+    /// `limits.streams_total`, raised as the run grows ([`Admission::set_streams_total`]).
+    streams_total: Arc<AtomicUsize>,
     open: Arc<Mutex<HashMap<PeerId, usize>>>,
     budget: Arc<Semaphore>,
     deliver: mpsc::Sender<InboundFrame>,
@@ -224,12 +228,18 @@ impl Admission {
     pub fn new(limits: TransportLimits, deliver: mpsc::Sender<InboundFrame>) -> Self {
         Admission {
             limits,
+            streams_total: Arc::new(AtomicUsize::new(limits.streams_total)),
             open: Arc::default(),
             budget: Arc::new(Semaphore::new(
                 limits.queued_bytes.min(Semaphore::MAX_PERMITS),
             )),
             deliver,
         }
+    }
+
+    /// Admits up to `streams` inbound streams at once in total from now on.
+    pub fn set_streams_total(&self, streams: usize) {
+        self.streams_total.store(streams, Ordering::Relaxed);
     }
 
     /// Takes a new inbound stream from `peer`: refused (dropped, so reset) beyond the stream
@@ -242,7 +252,8 @@ impl Admission {
             let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
             let total: usize = open.values().sum();
             let mine = open.entry(peer).or_insert(0);
-            if *mine >= self.limits.streams_per_peer || total >= self.limits.streams_total {
+            let cap = self.streams_total.load(Ordering::Relaxed);
+            if *mine >= self.limits.streams_per_peer || total >= cap {
                 false
             } else {
                 *mine += 1;

@@ -26,6 +26,34 @@ fn only_global_addresses_are_global() {
     }
 }
 
+/// The caps grow with the peers a stage needs and never fall below the configured ones: a
+/// middle stage of a 1,000-peer run in 8 stages (375 replicas around it, 32 others) gets
+/// 814 connections and 814 streams, far past the defaults of 256 and 64.
+#[test]
+fn caps_follow_the_peers_needed() {
+    let floor = Caps {
+        connections: 256,
+        streams: 64,
+    };
+    assert_eq!(floor.for_peers(0), floor);
+    assert_eq!(
+        floor.for_peers(20),
+        Caps {
+            connections: 256,
+            streams: 64
+        }
+    );
+    assert_eq!(
+        floor.for_peers(407),
+        Caps {
+            connections: 814,
+            streams: 814
+        }
+    );
+    let huge = floor.for_peers(usize::MAX / 4);
+    assert_eq!((huge.connections, huge.streams), (16_384, 16_384));
+}
+
 fn loopback(bootstrap: Vec<Multiaddr>, direct: bool) -> NetConfig {
     NetConfig {
         listen: vec!["/ip4/127.0.0.1/udp/0/quic-v1".parse().expect("address")],

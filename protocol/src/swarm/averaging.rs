@@ -48,11 +48,15 @@ use std::time::Duration;
 /// every message that carries them).
 type EncodedPart = (f64, Option<f64>, Arc<Vec<u8>>);
 
-/// Early messages buffered before the group is known, at most.
-const MAX_EARLY: usize = 256;
-
 /// A round's group is at most every member a peer can know of.
 const MAX_GROUP: usize = super::membership::MAX_MEMBERS;
+
+/// Early messages (before the group is known) buffered from one sender, at most: a member
+/// sends each other one a share, an averaged part and a verdict, and answers an ask.
+const EARLY_PER_SENDER: usize = 4;
+
+/// Early messages buffered in all, at most: what every member of the largest group sends.
+const MAX_EARLY: usize = EARLY_PER_SENDER * MAX_GROUP;
 
 /// The most a round waits for one member's shares to go out, however slow its uplink was
 /// measured.
@@ -603,7 +607,11 @@ impl Round {
                 Phase::AwaitStart | Phase::AwaitContribution,
                 msg
                 @ (RoundMsg::Part { .. } | RoundMsg::Averaged { .. } | RoundMsg::Verdict { .. }),
-            ) if self.early.len() < MAX_EARLY => self.early.push((from, msg)),
+            ) if self.early.len() < MAX_EARLY
+                && self.early.iter().filter(|(f, _)| *f == from).count() < EARLY_PER_SENDER =>
+            {
+                self.early.push((from, msg))
+            }
             (
                 Phase::Exchanging | Phase::Filling,
                 RoundMsg::Part {

@@ -9,7 +9,10 @@ use std::time::Duration;
 
 mod gossip;
 mod routing;
-pub use gossip::{FAR_PER_PERIOD, Gossip, NEAR_PER_PERIOD, Plan, SMALL_SWARM, Timeouts};
+pub use gossip::{
+    FAR_PER_PERIOD, Gossip, NEAR_PER_PERIOD, PEERS_BESIDES_STAGES, Plan, SMALL_SWARM, Timeouts,
+    near_peers, peers_needed,
+};
 pub use routing::{Dealer, Routing, STRAGGLER_FACTOR, UNMEASURED_LATE, route_weights};
 
 /// What is known of one other peer.
@@ -425,6 +428,11 @@ impl Membership {
     /// How many members serve `stage`.
     pub fn serving_count(&self, stage: u32) -> usize {
         self.serving.get(&stage).map_or(0, BTreeSet::len)
+    }
+
+    /// The stages some known member serves.
+    pub fn serving_stages(&self) -> impl Iterator<Item = u32> + '_ {
+        self.serving.keys().copied()
     }
 }
 

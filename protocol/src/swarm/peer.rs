@@ -295,6 +295,13 @@ impl Peer {
         .min()
     }
 
+    /// How many peers this one may need to be connected to at once (see
+    /// [`super::membership::peers_needed`]): what the node sizes its connection and stream
+    /// caps by.
+    pub fn peers_needed(&self) -> usize {
+        super::membership::peers_needed(self.role.serving(), &self.members)
+    }
+
     /// The announcement this peer gossips next.
     pub fn announcement(&mut self) -> Announcement {
         self.announcements += 1;
@@ -323,6 +330,21 @@ impl Peer {
         let mut a = self.announcement();
         a.state = MemberState::Leaving;
         a
+    }
+
+    /// A step: the peers that need it at once (this stage's replicas for the hash vote, the
+    /// stages next to it) are told directly; gossip would make every peer of a large swarm
+    /// forward every replica's every step. The last step goes to everyone: every stage waits
+    /// for the others to finish.
+    fn announce_near(&mut self) {
+        let a = self.announcement();
+        if a.finished {
+            self.out.push(Action::Announce(a));
+            return;
+        }
+        for k in super::membership::near_peers(self.role.serving(), &self.members) {
+            self.out.send(k, Message::Announce(a.clone()));
+        }
     }
 
     fn announce(&mut self) {
@@ -797,7 +819,7 @@ impl Peer {
         if closed && self.allreduce() {
             self.release_held_forwards(now);
         }
-        self.announce();
+        self.announce_near();
         if closed
             && let Some(stage) = self.role.serving()
             && let Some(r) = self.steps.vote_after_step(stage, &self.members)

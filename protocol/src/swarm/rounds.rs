@@ -17,8 +17,10 @@ use super::outbox::Outbox;
 use crate::Codec;
 use std::time::Duration;
 
-/// Invitations to a next round kept while the current one finishes, at most.
-pub(super) const MAX_EARLY_JOINS: usize = 256;
+/// Invitations to a next round kept while the current one finishes, at most: one per known
+/// member for each of the two rounds they may be for (the same one from the same member is
+/// kept once), so that no stage the membership can hold loses its joins to the cap.
+pub(super) const MAX_EARLY_JOINS: usize = 2 * super::membership::MAX_MEMBERS;
 
 /// The averaging rounds of one replica.
 #[derive(Debug)]
@@ -258,7 +260,9 @@ impl Rounds {
             && key.index <= round + 1
             && self.early_joins.len() < MAX_EARLY_JOINS
         {
-            self.early_joins.push((key, from));
+            if !self.early_joins.contains(&(key, from)) {
+                self.early_joins.push((key, from));
+            }
             return;
         }
         if active || key.index != round || finished {

@@ -1,33 +1,58 @@
-//! How often a peer tells each other peer what it is doing, so that what a peer receives per
-//! second does not grow with the swarm.
+//! How often a peer tells each other peer what it is doing, so that what a peer sends and
+//! receives per second does not grow with the swarm.
 //!
-//! A swarm of up to [`SMALL_SWARM`] known peers gossips every announcement to everyone every
-//! announce period. Past that, announcements go two ways:
-//! * to the peers *near* it (replicas of its stage and of the stages next to it: those it
-//!   averages with, routes microbatches to and takes them from), directly, at most
-//!   [`NEAR_PER_PERIOD`] of them each period, taken in turn;
-//! * to everyone by gossip, once every `ceil(known / FAR_PER_PERIOD)` periods: what the far
-//!   stages need of it (placement, rebalancing, the run's progress) changes slowly.
+//! Gossip (gossipsub) is not cheap per message: every peer forwards every message it first
+//! receives to each of its mesh neighbours but one, and advertises its id to a few more, so a
+//! peer's uplink carries several copies of every announcement of the swarm. Announcements
+//! therefore go two ways:
+//! * directly to the peers that need them often, each period, at most [`NEAR_PER_PERIOD`] of
+//!   them, taken in turn: in a swarm of up to [`SMALL_SWARM`] known peers, everyone; past
+//!   that, the peers *near* it (replicas of its stage and of the stages next to it: those it
+//!   averages with, routes microbatches to and takes them from);
+//! * to everyone by gossip, once every `ceil(max(known, SMALL_SWARM) / FAR_PER_PERIOD)`
+//!   periods: how peers that do not know it yet learn of it, and what the far stages need of it (placement,
+//!   rebalancing, the run's progress), which changes slowly.
 //!
-//! Only serving peers are near each other, so a peer told directly is one that expects to
-//! be. A peer hears from about `NEAR_PER_PERIOD + FAR_PER_PERIOD` peers a period however
-//! large the swarm, and gives a member up after the member timeout times the periods between
-//! that member's announcements to it (counted from its own view of the swarm, which differs
-//! little from the member's). Announcements that something changed (serving, a move,
-//! finishing) still go to everyone at once: they are rare.
+//! A peer sends and hears about `NEAR_PER_PERIOD` direct announcements a period and the swarm
+//! gossips about `FAR_PER_PERIOD` a period, however large it is. Only serving peers are near
+//! each other in a large swarm, so a peer told directly is one that expects to be. A member is
+//! given up after the member timeout times the periods between its announcements to this peer
+//! (counted from this peer's view of the swarm, which differs little from the member's).
+//! Announcements that something changed (serving, a move, finishing) still go to everyone at
+//! once by gossip: they are rare.
 
 use super::{Member, Membership};
 use crate::swarm::PeerKey;
 use std::time::Duration;
 
-/// Known peers up to which every announcement goes to everyone every period.
+/// Known peers up to which every announcement goes to everyone directly every period.
 pub const SMALL_SWARM: usize = 64;
 
 /// Near peers sent this peer's announcement each period, at most.
 pub const NEAR_PER_PERIOD: usize = 64;
 
-/// Announcements a peer receives by gossip each period, about, in a large swarm.
-pub const FAR_PER_PERIOD: usize = 32;
+/// Announcements the whole swarm gossips each period, about.
+pub const FAR_PER_PERIOD: usize = 8;
+
+/// Connections a peer needs besides those of its stage's neighbourhood: its gossip mesh
+/// (gossipsub's `mesh_n_high`: 12), and the network's own (bootstrap peers, relays, DHT
+/// queries, a joiner downloading from it).
+pub const PEERS_BESIDES_STAGES: usize = 32;
+
+/// How many peers one serving `stage` (None: not serving yet) may need to be connected to at
+/// once: every replica of its stage and of the stages next to it (those it averages with,
+/// routes microbatches to and takes them from, and announces to directly), and
+/// [`PEERS_BESIDES_STAGES`]. A peer not serving yet may take any stage: it counts the
+/// largest such neighbourhood. The node sizes its connection and stream caps by it, so that
+/// they grow with the run rather than drop a stage's work at a fixed number.
+pub fn peers_needed(stage: Option<u32>, members: &Membership) -> usize {
+    let around = |s: u32| -> usize { near_stages(Some(s)).map(|n| members.serving_count(n)).sum() };
+    let near = match stage {
+        Some(s) => around(s),
+        None => members.serving_stages().map(around).max().unwrap_or(0),
+    };
+    near + PEERS_BESIDES_STAGES
+}
 
 /// Where this peer's next announcement goes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -60,6 +85,17 @@ fn near_stages(stage: Option<u32>) -> impl Iterator<Item = u32> {
         .flat_map(|s| s.saturating_sub(1)..=s.saturating_add(1))
 }
 
+/// The peers told directly what a peer serving `stage` does: in a small swarm everyone, in a
+/// large one the serving peers near it.
+pub fn near_peers(stage: Option<u32>, members: &Membership) -> Vec<PeerKey> {
+    match members.len() <= SMALL_SWARM {
+        true => members.iter().map(|(k, _)| *k).collect(),
+        false => near_stages(stage)
+            .flat_map(|s| members.serving_in(s))
+            .collect(),
+    }
+}
+
 /// Periods between two announcements to each of `count` peers, `per_period` a period.
 fn spread(count: usize, per_period: usize) -> u32 {
     count.div_ceil(per_period).max(1) as u32
@@ -68,21 +104,14 @@ fn spread(count: usize, per_period: usize) -> u32 {
 impl Gossip {
     /// Where this period's announcement of a peer serving `stage` goes.
     pub fn plan(&mut self, stage: Option<u32>, members: &Membership) -> Plan {
-        if members.len() <= SMALL_SWARM {
-            self.until_broadcast = 0;
-            return Plan {
-                broadcast: true,
-                direct: Vec::new(),
-            };
-        }
         let broadcast = self.until_broadcast == 0;
         self.until_broadcast = match broadcast {
-            true => spread(members.len(), FAR_PER_PERIOD) - 1,
+            // A small swarm, told directly, gossips as often as one of SMALL_SWARM peers: to
+            // be found by newcomers, which others then tell directly.
+            true => spread(members.len().max(SMALL_SWARM), FAR_PER_PERIOD) - 1,
             false => self.until_broadcast - 1,
         };
-        let near: Vec<PeerKey> = near_stages(stage)
-            .flat_map(|s| members.serving_in(s))
-            .collect();
+        let near = near_peers(stage, members);
         let take = near.len().min(NEAR_PER_PERIOD);
         let start = self.cursor % near.len().max(1);
         let direct = near
@@ -101,6 +130,8 @@ impl Gossip {
     /// announcements to it may be that many periods apart.
     pub fn timeout(stage: Option<u32>, members: &Membership, timeout: Duration) -> Timeouts {
         if members.len() <= SMALL_SWARM {
+            // Everyone is told directly every period (one that did not know this peer yet
+            // does from the first announcement it gets from it).
             return Timeouts {
                 stage,
                 near: timeout,
@@ -153,22 +184,40 @@ mod tests {
         m
     }
 
-    /// A small swarm is as it always was: everyone, every period.
+    /// The connections a peer needs follow its stage's neighbourhood, not the swarm: 1,000
+    /// peers in 8 stages of 125 need 375 (a middle stage) or 250 (an end), plus the mesh's
+    /// and the network's; a peer not serving yet counts the largest neighbourhood.
     #[test]
-    fn a_small_swarm_gossips_everything_every_period() {
+    fn the_peers_needed_are_the_stage_and_its_neighbours() {
+        let members = swarm(125, 8);
+        assert_eq!(peers_needed(Some(3), &members), 375 + PEERS_BESIDES_STAGES);
+        assert_eq!(peers_needed(Some(0), &members), 250 + PEERS_BESIDES_STAGES);
+        assert_eq!(peers_needed(Some(7), &members), 250 + PEERS_BESIDES_STAGES);
+        assert_eq!(peers_needed(None, &members), 375 + PEERS_BESIDES_STAGES);
+        let empty = Membership::default();
+        assert_eq!(peers_needed(None, &empty), PEERS_BESIDES_STAGES);
+    }
+
+    /// A small swarm tells everyone directly every period, and gossips once every
+    /// `ceil(SMALL_SWARM / FAR_PER_PERIOD)` periods (8).
+    #[test]
+    fn a_small_swarm_tells_everyone_directly_every_period() {
         let members = swarm(8, 4);
         let mut g = Gossip::default();
-        for _ in 0..3 {
+        let mut broadcasts = 0;
+        for _ in 0..16 {
             let p = g.plan(Some(1), &members);
-            assert!(p.broadcast && p.direct.is_empty());
+            assert_eq!(p.direct.len(), 32);
+            broadcasts += u32::from(p.broadcast);
         }
+        assert_eq!(broadcasts, 2);
         let m = members.iter().next().unwrap().1;
         let t = Duration::from_secs(4);
         assert_eq!(Gossip::timeout(Some(1), &members, t).of(m), t);
     }
 
     /// 1,000 peers in 8 stages: near peers (375) are each told every 6 periods, in turn,
-    /// everyone by gossip every 32; a peer receives about 96 announcements a period, not
+    /// everyone by gossip every 125; a peer receives about 72 announcements a period, not
     /// 999, and waits as many periods longer before giving a member up.
     #[test]
     fn a_large_swarm_gossips_far_seldom_and_near_in_turn() {
@@ -176,7 +225,7 @@ mod tests {
         let mut g = Gossip::default();
         let mut told = std::collections::BTreeMap::new();
         let mut broadcasts = 0;
-        for _ in 0..64 {
+        for _ in 0..250 {
             let p = g.plan(Some(3), &members);
             assert!(p.direct.len() <= NEAR_PER_PERIOD);
             broadcasts += u32::from(p.broadcast);
@@ -184,13 +233,13 @@ mod tests {
                 *told.entry(k).or_insert(0) += 1;
             }
         }
-        assert_eq!(broadcasts, 2, "once every 32 periods");
+        assert_eq!(broadcasts, 2, "once every 125 periods");
         assert_eq!(told.len(), 375, "stages 2, 3 and 4");
         assert!(told.keys().all(|k| (20_000..50_000).contains(&k.0)));
-        assert!(told.values().all(|n| (10..=11).contains(n)), "{told:?}");
+        assert!(told.values().all(|n| (42..=43).contains(n)), "{told:?}");
         let t = Gossip::timeout(Some(3), &members, Duration::from_secs(4));
         let of = |key| t.of(members.get(PeerKey(key)).unwrap());
         assert_eq!(of(20_001), Duration::from_secs(24));
-        assert_eq!(of(70_001), Duration::from_secs(128));
+        assert_eq!(of(70_001), Duration::from_secs(500));
     }
 }
