@@ -751,6 +751,13 @@ impl Peer {
             // No room for it (see `Membership`): nothing of it is known.
             return;
         }
+        if known.is_none()
+            && !self.bans.is_banned(from)
+            && self.gossip.tell_newcomer(&self.members, &a)
+        {
+            let mine = self.announcement();
+            self.out.send(from, Message::Announce(mine));
+        }
         // Its stage may have accused it before this peer knew its stage (judged on every
         // accuser's announcement after that); what it accuses may now have its majority.
         if known_stage != Some(a.stage) {

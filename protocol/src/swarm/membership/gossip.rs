@@ -23,6 +23,7 @@
 
 use super::{Member, Membership};
 use crate::swarm::PeerKey;
+use crate::swarm::message::{Announcement, MemberState};
 use std::time::Duration;
 
 /// Known peers up to which every announcement goes to everyone directly every period.
@@ -70,7 +71,13 @@ pub struct Gossip {
     cursor: usize,
     /// Periods until the next gossip to everyone.
     until_broadcast: u32,
+    /// Choosing peers told directly this period (see [`Gossip::tell_newcomer`]).
+    newcomers_told: usize,
 }
+
+/// Peers still choosing their stage that a peer of a large swarm tells directly of itself
+/// each period, at most.
+pub const NEWCOMERS_TOLD_PER_PERIOD: usize = 8;
 
 /// Whether a peer serving `theirs` is near one serving `mine`. Only serving peers are near
 /// each other, both ways alike: a peer that is told directly expects to be.
@@ -104,7 +111,12 @@ fn spread(count: usize, per_period: usize) -> u32 {
 impl Gossip {
     /// Where this period's announcement of a peer serving `stage` goes.
     pub fn plan(&mut self, stage: Option<u32>, members: &Membership) -> Plan {
-        let broadcast = self.until_broadcast == 0;
+        self.newcomers_told = 0;
+        // A peer of a small swarm that does not serve yet gossips every period: it chooses
+        // its stage by what it hears within a few periods, and is told directly only by
+        // those that heard of it.
+        let small_and_new = members.len() <= SMALL_SWARM && stage.is_none();
+        let broadcast = self.until_broadcast == 0 || small_and_new;
         self.until_broadcast = match broadcast {
             // A small swarm, told directly, gossips as often as one of SMALL_SWARM peers: to
             // be found by newcomers, which others then tell directly.
@@ -123,6 +135,24 @@ impl Gossip {
             .collect();
         self.cursor = start + take;
         Plan { broadcast, direct }
+    }
+
+    /// Whether to tell a peer this one just heard of for the first time, whose announcement
+    /// is `theirs`, of itself directly now rather than at its next turn: in a small swarm,
+    /// always (everyone is told every period anyway, and a newcomer chooses its stage by what
+    /// it hears in its first periods); in a large one, a peer still choosing its stage, up to
+    /// [`NEWCOMERS_TOLD_PER_PERIOD`] a period (it would otherwise hear of far stages only at
+    /// the swarm's gossip rate).
+    pub fn tell_newcomer(&mut self, members: &Membership, theirs: &Announcement) -> bool {
+        if members.len() <= SMALL_SWARM {
+            return true;
+        }
+        let choosing = theirs.state == MemberState::Choosing;
+        if choosing && self.newcomers_told < NEWCOMERS_TOLD_PER_PERIOD {
+            self.newcomers_told += 1;
+            return true;
+        }
+        false
     }
 
     /// How long a member may stay silent before it counts as gone, to a peer serving `stage`
@@ -214,6 +244,29 @@ mod tests {
         let m = members.iter().next().unwrap().1;
         let t = Duration::from_secs(4);
         assert_eq!(Gossip::timeout(Some(1), &members, t).of(m), t);
+    }
+
+    /// A peer that does not serve yet gossips every period in a small swarm; peers that hear
+    /// of a newcomer tell it directly of themselves: always in a small swarm, in a large one
+    /// only while it chooses its stage, and at most `NEWCOMERS_TOLD_PER_PERIOD` a period.
+    #[test]
+    fn newcomers_hear_of_the_swarm_at_once() {
+        let small = swarm(8, 4);
+        let mut g = Gossip::default();
+        assert!((0..4).all(|_| g.plan(None, &small).broadcast));
+        let serving = announcement(Some(1));
+        assert!(g.tell_newcomer(&small, &serving));
+        let large = swarm(125, 8);
+        let mut choosing = announcement(None);
+        choosing.state = MemberState::Choosing;
+        g.plan(Some(3), &large);
+        assert!(!g.tell_newcomer(&large, &serving));
+        let told = (0..20)
+            .filter(|_| g.tell_newcomer(&large, &choosing))
+            .count();
+        assert_eq!(told, NEWCOMERS_TOLD_PER_PERIOD);
+        g.plan(Some(3), &large);
+        assert!(g.tell_newcomer(&large, &choosing), "a new period");
     }
 
     /// 1,000 peers in 8 stages: near peers (375) are each told every 6 periods, in turn,
