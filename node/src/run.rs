@@ -2,6 +2,9 @@
 //! [`shoal_protocol::swarm::Peer`]; this file only feeds it what happens (messages from the
 //! network, finished compute, the clock, Ctrl-C) and carries out what it asks (send, gossip,
 //! compute), keeping counts for the progress line and the report.
+//!
+//! Just over 900 lines, kept whole: most of it is the one `select!` loop that owns the
+//! peer's state; the report, the progress line and the stall check live in their own types.
 
 use crate::cli::RunArgs;
 use crate::report;

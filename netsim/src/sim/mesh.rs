@@ -55,8 +55,7 @@ impl Mesh {
         usable: impl Fn(usize) -> bool,
         candidates: impl FnOnce() -> Vec<usize>,
     ) -> Vec<usize> {
-        let needed = p.max(self.links.len().saturating_sub(1)) + 1;
-        self.links.resize(needed, Vec::new());
+        self.hold(p);
         let dead: Vec<usize> = self.links[p]
             .iter()
             .copied()
@@ -87,11 +86,15 @@ impl Mesh {
         mine
     }
 
-    fn link(&mut self, a: usize, b: usize) {
-        let needed = a.max(b) + 1;
-        if self.links.len() < needed {
-            self.links.resize(needed, Vec::new());
+    /// Makes room for peer `p`'s links.
+    fn hold(&mut self, p: usize) {
+        if self.links.len() <= p {
+            self.links.resize(p + 1, Vec::new());
         }
+    }
+
+    fn link(&mut self, a: usize, b: usize) {
+        self.hold(a.max(b));
         self.links[a].push(b);
         self.links[b].push(a);
     }
