@@ -63,9 +63,17 @@ struct RoundHistory {
 }
 
 impl RoundHistory {
-    /// The median root-mean-square of the rounds kept (0 when none is).
+    /// The median root-mean-square of the rounds kept that had samples (0 when none is). A
+    /// round without samples says nothing of a round's size: a replica whose stage-mates had
+    /// no microbatches (the other side of a partition held the pipeline) applies a run of them,
+    /// and judged by those it took an honest catch-up for a lie.
     fn median_rms(&self) -> f64 {
-        let mut sizes: Vec<f64> = self.rounds.iter().map(|r| r.rms).collect();
+        let mut sizes: Vec<f64> = self
+            .rounds
+            .iter()
+            .filter(|r| r.samples > 0.0)
+            .map(|r| r.rms)
+            .collect();
         sizes.sort_by(f64::total_cmp);
         sizes.get(sizes.len() / 2).copied().unwrap_or(0.0)
     }
@@ -380,13 +388,19 @@ pub(super) fn majority_hash(
 /// replicas announced its hash for this round than the other's (itself counted; what they
 /// announced for it counts after they moved on, see [`Member::hash_at`]), or as many, every
 /// serving replica of the stage has announced this round (no vote is still to come) and the
-/// other side has the smaller key. The loser downloads the winner's state. Without the second
+/// other side has more replicas among all that announced the round (checked or not), or as
+/// many and the smaller key. The loser downloads the winner's state. Without the second
 /// condition the first announcement of a round to arrive would win a tie of one against one,
 /// however many replicas were still to announce the majority's hash. Only the replicas
 /// `verified` admits vote: those whose work this replica checked (identities that only
 /// announce a hash cannot outvote it however many they are), or every one while it checked
 /// none (a replica restarted from its checkpoint has nothing else to go by; without that,
 /// two replicas that had not checked each other would each keep their own parameters).
+/// Unchecked replicas break a tie of checked ones: a replica that checked one of two others
+/// holding the same parameters, and not the other, would otherwise win its tie against the
+/// one it checked by key, and keep the parameters only it holds to the end of the run (those
+/// two count each other and it); a tie of checked replicas is one that a ground key already
+/// decides, so identities that only announce decide nothing they could not otherwise.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn outvoted(
     members: &Membership,
@@ -399,25 +413,36 @@ pub(super) fn outvoted(
     verified: impl Fn(PeerKey) -> bool,
 ) -> bool {
     let (mut for_theirs, mut for_mine, mut to_come) = (0, 1, 0);
+    // Every serving replica's announcement, checked or not: only for a tie of checked ones.
+    let (mut all_theirs, mut all_mine) = (0, 1);
     for k in members.serving_in(stage) {
-        let Some(m) = members.get(k).filter(|_| verified(k)) else {
+        let Some(m) = members.get(k) else {
             continue;
         };
-        match m.hash_at(round) {
+        let hash = m.hash_at(round);
+        all_theirs += usize::from(hash == Some(theirs));
+        all_mine += usize::from(hash == Some(mine));
+        if !verified(k) {
+            continue;
+        }
+        match hash {
             None => to_come += 1,
             Some(h) if h == theirs => for_theirs += 1,
             Some(h) if h == mine => for_mine += 1,
             Some(_) => {}
         }
     }
-    for_theirs > for_mine || (for_theirs == for_mine && to_come == 0 && from < me)
+    for_theirs > for_mine
+        || (for_theirs == for_mine
+            && to_come == 0
+            && (all_theirs > all_mine || (all_theirs == all_mine && from < me)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::swarm::fixtures::{self, at_round};
-    use crate::swarm::interface::Action;
+    use crate::swarm::interface::{Action, Event};
     use crate::swarm::message::Announcement;
 
     const MS: Duration = Duration::from_millis(1);
@@ -657,6 +682,40 @@ mod tests {
         assert_eq!(relayed, data);
     }
 
+    /// A catch-up is judged against the size of the rounds this replica applied that had
+    /// samples: rounds without any (its stage-mates had no microbatches while the pipeline
+    /// was on the other side of a partition) are near zero and would make an honest round
+    /// look a thousand times too large.
+    #[test]
+    fn rounds_without_samples_do_not_set_the_size_a_catch_up_is_judged_by() {
+        let round = |scale: f32| -> Vec<f32> { (0..600).map(|i| (i % 7) as f32 * scale).collect() };
+        let mut theirs = CatchUp::default();
+        theirs.remember(9, &round(1e-2), &[None], 32.0);
+        let mut their_out = Outbox::new(PeerKey(9));
+        theirs.answer(&mut their_out, ME, 1, 9);
+        let Some(Action::Send {
+            msg: Message::CatchUp { samples, data, .. },
+            ..
+        }) = their_out.pop()
+        else {
+            panic!("an answer");
+        };
+        let mut mine = CatchUp::default();
+        mine.remember(5, &round(1e-2), &[None], 32.0);
+        for r in 6..9 {
+            mine.remember(r, &round(1e-7), &[None], 0.0);
+        }
+        let mut out = Outbox::new(ME);
+        mine.ask(&mut out, PeerKey(9), 1, 9, 300 * MS);
+        let got = mine.on_answer(&mut out, PeerKey(9), 9, samples, &data, 600);
+        assert_eq!(got, Some(Ok(round(1e-2))));
+        assert!(
+            !std::iter::from_fn(|| out.pop())
+                .any(|a| matches!(a, Action::Event(Event::Violation { .. }))),
+            "an honest catch-up taken for a lie"
+        );
+    }
+
     /// The hash vote: the side with fewer replicas at the round downloads the other's state;
     /// a tie goes to the smaller key once no replica of the stage is still to announce the
     /// round; replicas of other stages or rounds do not vote.
@@ -701,6 +760,27 @@ mod tests {
         assert_eq!(majority_hash(&m, 1, 0, checked), Some(7));
         assert_eq!(majority_hash(&m, 1, 0, |_| false), Some(3));
         assert_eq!(majority_hash(&m, 1, 0, |k| k.0 == 8), Some(7));
+    }
+
+    /// Three replicas end a round apart, one against two, and the one alone checked only
+    /// one of the others: the checked replicas tie, and the third (unchecked) decides it, not
+    /// the smaller key, or the run would end with the stage apart. Unchecked identities
+    /// decide nothing more: not against a majority of checked replicas.
+    #[test]
+    fn unchecked_replicas_break_a_tie_of_checked_ones() {
+        let m = members(&[(8, 1, 0, 3), (9, 1, 0, 3)]);
+        let checked = |k: PeerKey| k.0 == 8;
+        assert!(ME < PeerKey(8));
+        assert!(outvoted(&m, ME, 1, 0, PeerKey(8), 3, 7, checked));
+        // Seen from replica 8, which checked both: two against one.
+        let m8 = members(&[(5, 1, 0, 7), (9, 1, 0, 3)]);
+        assert!(!outvoted(&m8, PeerKey(8), 1, 0, ME, 7, 3, ALL));
+        // Ten identities that only announce cannot outvote two checked replicas.
+        let mut list = vec![(8, 1, 0, 3), (6, 1, 0, 7)];
+        list.extend((100..110).map(|k| (k, 1, 0, 3)));
+        let m = members(&list);
+        let checked = |k: PeerKey| k.0 < 10;
+        assert!(!outvoted(&m, ME, 1, 0, PeerKey(8), 3, 7, checked));
     }
 
     /// Replicas announce every round, and a state often arrives after its stage has moved
