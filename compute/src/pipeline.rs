@@ -264,6 +264,16 @@ impl<B: Backend> LocalPipeline<B> {
 
     /// Mean loss on `batch` without touching gradients (forward only).
     pub fn evaluate(&mut self, batch: &Batch) -> Result<f32, StageError> {
+        self.evaluate_via(batch, &mut ())
+    }
+
+    /// [`LocalPipeline::evaluate`] with activations passing through `transit` (the parts of a
+    /// boundary code that belong to the model, such as a subspace code's projection).
+    pub fn evaluate_via(
+        &mut self,
+        batch: &Batch,
+        transit: &mut dyn Transit,
+    ) -> Result<f32, StageError> {
         let shape = MicrobatchShape {
             batch: batch.batch,
             seq: batch.seq,
@@ -278,7 +288,10 @@ impl<B: Backend> LocalPipeline<B> {
                 StageInput::Activations(&acts)
             };
             match stage.forward(id, shape, input, Some(&batch.targets))? {
-                StageOutput::Activations(a) => acts = a,
+                StageOutput::Activations(a) => {
+                    acts = a;
+                    transit.activations(i, &mut acts);
+                }
                 StageOutput::Loss(l) => loss = l,
             }
         }

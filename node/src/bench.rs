@@ -173,7 +173,23 @@ pub fn codec(args: BenchCodecArgs) -> anyhow::Result<()> {
         Codec::Int8 { block: 128 },
         Codec::Int8 { block: 256 },
         Codec::LowBit { bits: 4, block: 64 },
+        Codec::LowBit { bits: 3, block: 64 },
         Codec::LowBit { bits: 2, block: 64 },
+        Codec::Subspace {
+            fold: 1,
+            bits: 4,
+            block: 64,
+        },
+        Codec::Subspace {
+            fold: 2,
+            bits: 4,
+            block: 64,
+        },
+        Codec::Subspace {
+            fold: 4,
+            bits: 4,
+            block: 64,
+        },
         Codec::TopK {
             ppm: 10_000,
             values: ValueFormat::Fp16,

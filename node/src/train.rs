@@ -16,7 +16,7 @@ use std::time::Instant;
 
 mod replicas;
 
-use replicas::{Replicas, Settings, Traffic};
+use replicas::{Projection, Replicas, Settings, Traffic};
 
 /// The JSON report of a training run.
 #[derive(Debug, Serialize)]
@@ -142,6 +142,14 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         args.steps as u64,
     );
     let sync = args.diloco.sync_mode(args.sync)?;
+    args.averaging_codec
+        .validate_for_averaging()
+        .map_err(|e| anyhow::anyhow!("--averaging-codec: {e}"))?;
+    shoal_protocol::HopCodec::check_projections(
+        &shoal_protocol::HopCodec::fixed(args.activation_codec),
+        &shoal_protocol::HopCodec::fixed(args.gradient_codec),
+    )
+    .map_err(anyhow::Error::msg)?;
     let microbatch = args.microbatch.unwrap_or(args.batch).min(args.batch);
     let as_swarm = args.replicas > 1
         || sync != SyncMode::AllReduce
@@ -248,11 +256,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         const EVAL_BATCH: usize = 32;
         let mut sum = 0.0;
         for _ in 0..HELD_OUT_SAMPLES / EVAL_BATCH {
-            sum += f64::from(
-                trainer
-                    .pipeline()
-                    .evaluate(&held_out.next_batch(EVAL_BATCH))?,
-            );
+            sum += f64::from(trainer.pipeline().evaluate_via(
+                &held_out.next_batch(EVAL_BATCH),
+                &mut Projection(args.activation_codec),
+            )?);
         }
         sum / (HELD_OUT_SAMPLES / EVAL_BATCH) as f64
     };

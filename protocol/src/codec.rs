@@ -13,13 +13,16 @@
 //! * `int8`: blockwise absmax. Each block of `block` values stores one f32 scale
 //!   `absmax / 127` and one signed byte per value, so every value is within half a
 //!   quantisation step (`scale / 2`) of its original.
-//! * `int4`, `int2`: the same at 4 bits (levels -7..=7) and 2 bits (ternary), see [`lowbit`].
+//! * `int4`, `int3`, `int2`: the same at 4 bits (levels -7..=7), 3 bits (-3..=3) and 2 bits
+//!   (ternary), see [`lowbit`].
 //! * `topk`: the `k` largest-magnitude values (`k` a fraction of the tensor), indices
 //!   delta-coded as LEB128 varints (and zstd-compressed when that saves at least 10%), values in
 //!   fp16 or int8. Used with [`ErrorFeedback`], which carries what was not sent into the next
 //!   round so that nothing is lost over time, only delayed.
 //! * `ctopk`: chunked top-k, `K` values of every chunk of `C` in `B` bits each, positions
 //!   Rice-coded (see [`chunked`]): the update codec, with error feedback.
+//! * `sub:F[:INNER]`: every row projected onto a fixed subspace of `1/F` of its width, then
+//!   quantized with the inner code (see [`subspace`]): the boundary codec of slow hops.
 //!
 //! zstd is used only on the index stream: on float data it gains 1.1-1.5x at a large cost in
 //! speed, while the delta-coded indices of a sparse tensor compress well.
@@ -37,10 +40,12 @@ mod chunked;
 mod feedback;
 mod header;
 mod lowbit;
+mod subspace;
 mod values;
 
 pub use feedback::ErrorFeedback;
 pub use header::{Encoding, Shape, TensorHeader};
+pub use subspace::ROTATION as SUBSPACE_BLOCK;
 use values::*;
 
 /// The most values one tensor message may hold (1 GiB of f32).
@@ -152,9 +157,9 @@ pub enum Codec {
         /// Values per scale.
         block: u32,
     },
-    /// Blockwise absmax at 4 or 2 bits.
+    /// Blockwise absmax at 4, 3 or 2 bits.
     LowBit {
-        /// Bits per value (4 or 2).
+        /// Bits per value (4, 3 or 2).
         bits: u8,
         /// Values per scale.
         block: u32,
@@ -175,6 +180,16 @@ pub enum Codec {
         chunk: u32,
         /// Bits per kept value.
         bits: u8,
+    },
+    /// Each row projected onto a fixed subspace of `1/fold` of its width, the projected values
+    /// in blockwise int8 (`bits` 8), int4 or int2.
+    Subspace {
+        /// Width divided by the subspace's dimension (a power of two).
+        fold: u32,
+        /// Bits per projected value: 8, 4 or 2.
+        bits: u8,
+        /// Projected values per scale.
+        block: u32,
     },
 }
 
@@ -224,8 +239,52 @@ impl Codec {
                     bits: b,
                 },
             ) => (k, chunk, bits) == (x, c, b),
+            (
+                Codec::Subspace { fold, bits, block },
+                Encoding::Subspace {
+                    fold: f,
+                    bits: b,
+                    block: k,
+                },
+            ) => (fold, bits, block) == (f, b, k),
             _ => false,
         }
+    }
+
+    /// Checks that replicas can average with it: not a subspace code, which would drop the
+    /// same directions of every round's average for good.
+    pub fn validate_for_averaging(&self) -> Result<(), CodecError> {
+        if let Codec::Subspace { .. } = self {
+            return Err(CodecError::BadParameter(format!(
+                "{self} projects onto a fixed subspace: a boundary codec, not an averaging codec"
+            )));
+        }
+        self.validate()
+    }
+
+    /// The reduction of the subspace a code projects onto: 1 (the whole space) for every code
+    /// but `sub:F` with `F > 1`. The activations and activation gradients of a boundary must
+    /// share it, or the gradient sent back is not the gradient of what was sent forward.
+    pub fn projection_fold(&self) -> u32 {
+        match *self {
+            Codec::Subspace { fold, .. } => fold,
+            _ => 1,
+        }
+    }
+
+    /// What the code does to a tensor by design, its rounding aside: a subspace code's
+    /// projection (part of the model a run trains through it, so evaluating or using that
+    /// model applies it too); nothing for every other code.
+    pub fn apply_projection(&self, values: &mut [f32]) -> Result<(), CodecError> {
+        if let Codec::Subspace { fold, .. } = *self {
+            if fold > 1 {
+                subspace::check_len(values.len())?;
+                let mut projected = Vec::new();
+                subspace::project(values, fold, &mut projected);
+                subspace::lift(&mut projected, fold, values);
+            }
+        }
+        Ok(())
     }
 
     /// Checks the parameters.
@@ -241,6 +300,7 @@ impl Codec {
             ),
             Codec::ChunkTopK { k, chunk, bits } => chunked::validate(k, chunk, bits),
             Codec::LowBit { bits, block } => lowbit::validate(bits, block),
+            Codec::Subspace { fold, bits, block } => subspace::validate(fold, bits, block),
             _ => Ok(()),
         }
     }
@@ -264,6 +324,9 @@ impl Codec {
             }
             Codec::ChunkTopK { k, chunk, bits } => {
                 f64::from(k) / f64::from(chunk.max(1)) * (f64::from(bits) + 8.0)
+            }
+            Codec::Subspace { fold, bits, block } => {
+                subspace::inner(bits, block).nominal_bits_per_value() / f64::from(fold.max(1))
             }
         }
     }
@@ -295,6 +358,9 @@ impl fmt::Display for Codec {
                 Ok(())
             }
             Codec::ChunkTopK { k, chunk, bits } => write!(f, "ctopk:{k}/{chunk}:{bits}"),
+            Codec::Subspace { fold, bits, block } => {
+                write!(f, "sub:{fold}:{}", subspace::inner(bits, block))
+            }
         }
     }
 }
@@ -304,7 +370,8 @@ impl FromStr for Codec {
 
     /// Parses `fp32`, `fp16`, `bf16`, `int8`, `int8:BLOCK`, `topk:PERCENT%`,
     /// `topk:PERCENT%:int8` (values in fp16 unless `:int8`), `ctopk` and `ctopk:K/CHUNK:BITS`,
-    /// `int4[:BLOCK]` and `int2[:BLOCK]`.
+    /// `int4[:BLOCK]`, `int3[:BLOCK]`, `int2[:BLOCK]` and `sub:FOLD[:INNER]` (INNER one of
+    /// the int codes).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let mut parts = s.split(':');
         let name = parts.next().unwrap_or_default();
@@ -318,8 +385,8 @@ impl FromStr for Codec {
                     Some(b) => b.parse().map_err(|_| format!("bad int8 block '{b}'"))?,
                 },
             },
-            "int4" | "int2" => Codec::LowBit {
-                bits: if name == "int4" { 4 } else { 2 },
+            "int4" | "int3" | "int2" => Codec::LowBit {
+                bits: name.as_bytes()[3] - b'0',
                 block: match parts.next() {
                     None => DEFAULT_INT8_BLOCK,
                     Some(b) => b.parse().map_err(|_| format!("bad {name} block '{b}'"))?,
@@ -354,9 +421,30 @@ impl FromStr for Codec {
                     }
                 }
             },
+            "sub" => {
+                let bad = || format!("bad subspace code '{s}' (expected e.g. sub:4:int4)");
+                let fold = parts.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
+                let (bits, block) = match parts.next() {
+                    None => (8, DEFAULT_INT8_BLOCK),
+                    Some(name) => {
+                        let rest: Vec<&str> = parts.by_ref().collect();
+                        let inner: Codec = std::iter::once(name)
+                            .chain(rest)
+                            .collect::<Vec<_>>()
+                            .join(":")
+                            .parse()?;
+                        match inner {
+                            Codec::Int8 { block } => (8, block),
+                            Codec::LowBit { bits, block } => (bits, block),
+                            _ => return Err(format!("{} inside a subspace code {}", inner, bad())),
+                        }
+                    }
+                };
+                Codec::Subspace { fold, bits, block }
+            }
             _ => {
                 return Err(format!(
-                    "unknown codec '{s}' (fp32, fp16, bf16, int8, int4, int2, topk:1%, ctopk:32/4096:2)"
+                    "unknown codec '{s}' (fp32, fp16, bf16, int8, int4, int3, int2, topk:1%, ctopk:32/4096:2, sub:4:int4)"
                 ));
             }
         };
@@ -472,6 +560,19 @@ impl Encoder {
             Codec::ChunkTopK { k, chunk, bits } => {
                 chunked::encode(&mut self.chunked, input, k, chunk, bits, out);
                 Encoding::ChunkTopK { k, chunk, bits }
+            }
+            Codec::Subspace { fold, bits, block } => {
+                subspace::check_len(input.len())?;
+                subspace::project(input, fold, &mut self.values);
+                // Finite inputs near f32's limit can sum past it.
+                if !all_finite(&self.values) {
+                    return Err(CodecError::NonFinite);
+                }
+                match bits {
+                    8 => write_int8(&self.values, block as usize, out),
+                    _ => lowbit::write(&self.values, bits, block, out),
+                }
+                Encoding::Subspace { fold, bits, block }
             }
         };
         let payload = &out[TENSOR_HEADER_LEN..];
@@ -688,6 +789,17 @@ impl Decoder {
         let sparse = match header.encoding {
             Encoding::TopK { k, values } => self.read_topk(payload, k as usize, values, out),
             Encoding::ChunkTopK { k, chunk, bits } => chunked::decode(payload, k, chunk, bits, out),
+            Encoding::Subspace { fold, bits, block } => {
+                self.values.clear();
+                self.values.resize(subspace::projected_len(n, fold), 0.0);
+                decode_dense(
+                    subspace::inner_encoding(bits, block),
+                    payload,
+                    &mut self.values,
+                );
+                subspace::lift(&mut self.values, fold, out);
+                Ok(())
+            }
             dense => {
                 decode_dense(dense, payload, out);
                 Ok(())

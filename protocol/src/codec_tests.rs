@@ -68,7 +68,7 @@ proptest! {
     fn int4_and_int2_are_within_half_a_step_of_their_block_scale(
         x in finite_vec(600),
         block in prop::sample::select(vec![8u32, 16, 64, 100, 256]),
-        bits in prop::sample::select(vec![2u8, 4]),
+        bits in prop::sample::select(vec![2u8, 3, 4]),
     ) {
         let y = roundtrip(Codec::LowBit { bits, block }, &x);
         let levels = ((1 << (bits - 1)) - 1) as f32;
@@ -83,6 +83,67 @@ proptest! {
         let payload = encode_to_vec(Codec::LowBit { bits, block }, &x, &[x.len()]).unwrap().len()
             - TENSOR_HEADER_LEN;
         prop_assert_eq!(payload, 4 * x.len().div_ceil(block as usize) + (x.len() * bits as usize).div_ceil(8));
+    }
+
+    #[test]
+    fn subspace_codes_decode_to_the_projection_within_the_inner_codes_error(
+        rows in 1usize..6,
+        width in prop::sample::select(vec![64usize, 128, 256, 768]),
+        fold in prop::sample::select(vec![1u32, 2, 4, 8, 64]),
+        bits in prop::sample::select(vec![8u8, 4, 3, 2]),
+        seed in any::<u64>(),
+    ) {
+        let mut rng = seed;
+        let x: Vec<f32> = (0..rows * width).map(|_| gaussian(&mut rng) * 3.0).collect();
+        let codec = Codec::Subspace { fold, bits, block: 16 };
+        let dims = [rows, width];
+        let bytes = encode_to_vec(codec, &x, &dims).unwrap();
+        prop_assert_eq!(bytes.len() - TENSOR_HEADER_LEN,
+            subspace_payload_len(rows * width / fold as usize, bits, 16));
+        let (header, y) = decode_to_vec(&bytes).unwrap();
+        prop_assert!(codec.encodes_as(&header.encoding));
+        // The exact projection: the same code with a lossless inner step is `W W^T x`.
+        let exact = project_exactly(&x, fold);
+        let energy = |v: &[f32]| v.iter().map(|a| f64::from(*a).powi(2)).sum::<f64>();
+        // An inner block may span rows: its scale is bounded by the largest row's norm.
+        let largest = x.chunks(width).map(energy).fold(0.0, f64::max).sqrt();
+        for ((xr, pr), yr) in x.chunks(width).zip(exact.chunks(width)).zip(y.chunks(width)) {
+            // An orthogonal projection keeps at most the row's energy (all of it, unfolded).
+            prop_assert!(energy(pr) <= energy(xr) * (1.0 + 1e-4) + 1e-6);
+            if fold == 1 {
+                prop_assert!((energy(pr) - energy(xr)).abs() <= energy(xr) * 1e-4 + 1e-6);
+            }
+            // W is orthonormal: the decoded row is as far from the projection as the projected
+            // values are from their quantization, at most half a step of the inner code each,
+            // whose scale is at most the largest projected value (bounded by a row's norm).
+            let levels = match bits { 8 => 127.0, 4 => 7.0, 3 => 3.0, _ => 1.0 };
+            let half_step = largest / levels / 2.0;
+            let bound = half_step * ((width / fold as usize) as f64).sqrt() * (1.0 + 1e-4) + 1e-4;
+            let diff: Vec<f32> = pr.iter().zip(yr).map(|(a, b)| a - b).collect();
+            prop_assert!(energy(&diff).sqrt() <= bound, "{} > {}", energy(&diff).sqrt(), bound);
+        }
+        // A projection: projecting its output again changes nothing.
+        let again = project_exactly(&exact, fold);
+        for (a, b) in exact.iter().zip(&again) {
+            prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()));
+        }
+    }
+
+    #[test]
+    fn subspace_projection_is_symmetric(
+        width in prop::sample::select(vec![64usize, 256, 320]),
+        fold in prop::sample::select(vec![1u32, 2, 4, 16]),
+        seed in any::<u64>(),
+    ) {
+        // <P x, g> = <x, P g>: the gradient a next stage sends back through the code is the
+        // exact gradient through the projection its activations went through.
+        let mut rng = seed;
+        let x: Vec<f32> = (0..width).map(|_| gaussian(&mut rng)).collect();
+        let g: Vec<f32> = (0..width).map(|_| gaussian(&mut rng)).collect();
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(a, b)| f64::from(a * b)).sum::<f64>();
+        let px = project_exactly(&x, fold);
+        let pg = project_exactly(&g, fold);
+        prop_assert!((dot(&px, &g) - dot(&x, &pg)).abs() <= 1e-4 * width as f64);
     }
 
     #[test]
@@ -399,6 +460,87 @@ fn shapes_whose_product_overflows_before_a_zero_are_rejected() {
     assert_eq!(Shape::new(&[0, 5]).unwrap().numel(), 0);
 }
 
+/// A standard normal draw (Box-Muller over splitmix64).
+fn gaussian(state: &mut u64) -> f32 {
+    let mut uniform = || {
+        *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let (u, v) = (uniform().max(1e-300), uniform());
+    ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+}
+
+/// `W W^T x`, with no quantization.
+fn project_exactly(x: &[f32], fold: u32) -> Vec<f32> {
+    let mut out = x.to_vec();
+    Codec::Subspace {
+        fold,
+        bits: 8,
+        block: 64,
+    }
+    .apply_projection(&mut out)
+    .unwrap();
+    out
+}
+
+fn subspace_payload_len(values: usize, bits: u8, block: usize) -> usize {
+    4 * values.div_ceil(block) + (values * bits as usize).div_ceil(8)
+}
+
+#[test]
+fn subspace_codes_check_shape_and_parameters() {
+    let x = vec![1.0f32; 4 * 64];
+    assert!(encode_to_vec("sub:64:int4".parse().unwrap(), &x, &[4, 64]).is_ok());
+    // Whole blocks of 64 values only.
+    assert!(matches!(
+        encode_to_vec("sub:2:int4".parse().unwrap(), &x[..96], &[96]),
+        Err(CodecError::BadShape(_))
+    ));
+    // A header whose length is not whole blocks, or whose parameter byte is not one the
+    // encoder writes, is refused before its payload is read.
+    let mut bytes = encode_to_vec("sub:8".parse().unwrap(), &x, &[4, 64]).unwrap();
+    let good = bytes.clone();
+    bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+    bytes[12..16].copy_from_slice(&100u32.to_le_bytes());
+    assert!(matches!(
+        decode_to_vec(&bytes),
+        Err(CodecError::BadShape(_))
+    ));
+    for aux in [0x78u8, 0x34, 0x33, 0x48, 0xf8] {
+        let mut bytes = good.clone();
+        bytes[2] = aux;
+        assert!(decode_to_vec(&bytes).is_err(), "aux {aux:#x}");
+    }
+    // Not an averaging codec: what it drops it drops every round.
+    let mut feedback = ErrorFeedback::new();
+    let codec: Codec = "sub:2".parse().unwrap();
+    assert!(
+        feedback
+            .encode(&mut Encoder::new(), codec, &x, &[x.len()], &mut Vec::new())
+            .is_err()
+    );
+    // Finite values near f32's limit that sum past it are refused, not sent as infinities.
+    let big = vec![f32::MAX; 64];
+    assert_eq!(
+        encode_to_vec("sub:1".parse().unwrap(), &big, &[1, 64]),
+        Err(CodecError::NonFinite)
+    );
+    assert!(
+        (Codec::Subspace {
+            fold: 4,
+            bits: 4,
+            block: 64
+        }
+        .nominal_bits_per_value()
+            - 4.5 / 4.0)
+            .abs()
+            < 1e-9
+    );
+}
+
 #[test]
 fn codec_names_parse_and_print() {
     for s in [
@@ -413,6 +555,10 @@ fn codec_names_parse_and_print() {
         "ctopk:1/16:4",
         "int4",
         "int2:256",
+        "int3:32",
+        "sub:4:int8",
+        "sub:1:int4",
+        "sub:16:int2:32",
     ] {
         let c: Codec = s.parse().unwrap();
         assert_eq!(c.to_string(), s);
@@ -434,7 +580,15 @@ fn codec_names_parse_and_print() {
         "ctopk:32/4096",
         "ctopk:32:2",
         "int4:3",
-        "int3",
+        "int5",
+        "int1",
+        "sub",
+        "sub:3",
+        "sub:128",
+        "sub:4:fp16",
+        "sub:4:ctopk",
+        "sub:4:int4:3",
+        "sub:4:int4:64:1",
     ] {
         assert!(bad.parse::<Codec>().is_err(), "{bad:?} should not parse");
     }

@@ -99,6 +99,27 @@ impl HopCodec {
         self.light.validate()?;
         self.strong.validate()
     }
+
+    /// Checks that the light and strong codecs of activations and of their gradients all
+    /// project onto the same subspace (see [`Codec::projection_fold`]): a projection is part
+    /// of the model, so a hop may not drop it for some messages or one direction.
+    pub fn check_projections(activations: &HopCodec, grads: &HopCodec) -> Result<(), String> {
+        let codecs = [
+            activations.light,
+            activations.strong,
+            grads.light,
+            grads.strong,
+        ];
+        if codecs
+            .iter()
+            .any(|c| c.projection_fold() != codecs[0].projection_fold())
+        {
+            return Err(format!(
+                "activation codecs {activations} and gradient codecs {grads} project onto                  different subspaces: a subspace code (sub:F) is part of the model, so every                  boundary codec must use the same F"
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Display for HopCodec {
@@ -158,7 +179,7 @@ mod tests {
             assert_eq!(hop.to_string().parse::<HopCodec>().unwrap(), hop);
         }
         assert!(!HopCodec::fixed(int8).chooses() && HopCodec::AUTO.chooses());
-        for bad in ["", "int3", "int8,", ",int4", "int8,int4,int2", "int8:7"] {
+        for bad in ["", "int5", "int8,", ",int4", "int8,int4,int2", "int8:7"] {
             assert!(bad.parse::<HopCodec>().is_err(), "{bad}");
         }
     }

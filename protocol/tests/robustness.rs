@@ -122,6 +122,20 @@ fn tensor_decoder_survives_hostile_input() {
             valid.push(out);
         }
     }
+    for (i, codec) in ["sub:1:int8", "sub:4:int4:8", "sub:8:int2:16"]
+        .iter()
+        .enumerate()
+    {
+        let codec: Codec = codec.parse().unwrap();
+        for rows in [1usize, 3, 40] {
+            let x: Vec<f32> = (0..rows * 64)
+                .map(|j| ((i * 31 + j * 7) % 19) as f32 - 9.0)
+                .collect();
+            let mut out = Vec::new();
+            encoder.encode(codec, &x, &[rows, 64], &mut out).unwrap();
+            valid.push(out);
+        }
+    }
     // Header offsets of the u32 fields: codec parameter, four dims, payload length.
     let len_fields = [
         4,

@@ -80,6 +80,18 @@ impl Transit for Boundaries {
     }
 }
 
+/// What the activation codec does to the model, its rounding aside (a subspace code's
+/// projection): applied wherever the trained model is evaluated.
+pub struct Projection(pub Codec);
+
+impl Transit for Projection {
+    fn activations(&mut self, _from: usize, values: &mut Vec<f32>) {
+        // Activations are whole rows of the model's width, a multiple of the code's block for
+        // every preset (a test checks): this cannot fail.
+        let _ = self.0.apply_projection(values);
+    }
+}
+
 /// What the replicas are told.
 pub struct Settings {
     /// Replicas.

@@ -95,6 +95,8 @@ impl ErrorFeedback {
         dims: &[usize],
         out: &mut Vec<u8>,
     ) -> Result<TensorHeader, CodecError> {
+        // What a fixed subspace drops is dropped in every round: feedback would only grow.
+        codec.validate_for_averaging()?;
         let end = offset
             .checked_add(input.len())
             .filter(|&end| end <= len)

@@ -91,6 +91,15 @@ pub enum Encoding {
         /// Bits per value.
         bits: u8,
     },
+    /// Rows projected onto a fixed subspace (see [`super::subspace`]).
+    Subspace {
+        /// Width divided by the subspace's dimension.
+        fold: u32,
+        /// Bits per projected value.
+        bits: u8,
+        /// Projected values per scale.
+        block: u32,
+    },
 }
 
 impl Encoding {
@@ -103,6 +112,7 @@ impl Encoding {
             Encoding::TopK { .. } => 4,
             Encoding::ChunkTopK { .. } => 5,
             Encoding::LowBit { .. } => 6,
+            Encoding::Subspace { .. } => 7,
         }
     }
 
@@ -110,6 +120,8 @@ impl Encoding {
     /// whose index streams vary).
     fn dense_payload_len(&self, n: usize) -> Option<usize> {
         match *self {
+            Encoding::Subspace { fold, bits, block } => subspace::inner_encoding(bits, block)
+                .dense_payload_len(subspace::projected_len(n, fold)),
             Encoding::Fp32 => Some(4 * n),
             Encoding::Fp16 | Encoding::Bf16 => Some(2 * n),
             Encoding::Int8 { block } => Some(4 * n.div_ceil(block as usize) + n),
@@ -130,6 +142,7 @@ impl fmt::Display for Encoding {
             Encoding::LowBit { bits, .. } => write!(f, "int{bits}"),
             Encoding::TopK { .. } => f.write_str("topk"),
             Encoding::ChunkTopK { .. } => f.write_str("ctopk"),
+            Encoding::Subspace { .. } => f.write_str("sub"),
         }
     }
 }
@@ -157,6 +170,7 @@ impl TensorHeader {
             Encoding::TopK { k, values } => (k, values as u8),
             Encoding::ChunkTopK { k, chunk, bits } => (chunked::pack_param(k, chunk), bits),
             Encoding::LowBit { bits, block } => (block, bits),
+            Encoding::Subspace { fold, bits, block } => (block, subspace::pack_aux(fold, bits)),
             _ => (0, 0),
         };
         out[0] = DTYPE_F32;
@@ -244,12 +258,31 @@ impl TensorHeader {
                 lowbit::validate(bits, param)?;
                 Encoding::LowBit { bits, block: param }
             }
+            7 => {
+                let (fold, bits) = subspace::unpack_aux(h[2]);
+                if subspace::pack_aux(fold, bits) != h[2] {
+                    return Err(CodecError::BadParameter(format!(
+                        "subspace parameter byte {:#x}",
+                        h[2]
+                    )));
+                }
+                subspace::validate(fold, bits, param)?;
+                subspace::check_len(n)?;
+                Encoding::Subspace {
+                    fold,
+                    bits,
+                    block: param,
+                }
+            }
             other => return Err(CodecError::UnknownEncoding(other)),
         };
         if h[2] != 0
             && !matches!(
                 encoding,
-                Encoding::TopK { .. } | Encoding::ChunkTopK { .. } | Encoding::LowBit { .. }
+                Encoding::TopK { .. }
+                    | Encoding::ChunkTopK { .. }
+                    | Encoding::LowBit { .. }
+                    | Encoding::Subspace { .. }
             )
         {
             return Err(CodecError::BadParameter("non-zero aux byte".into()));

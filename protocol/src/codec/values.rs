@@ -245,8 +245,8 @@ pub(super) fn decode_dense(encoding: Encoding, payload: &[u8], out: &mut [f32]) 
         Encoding::Bf16 => bf16_to_f32(payload, out),
         Encoding::Int8 { block } => read_int8(payload, block as usize, out),
         Encoding::LowBit { bits, block } => lowbit::read(payload, bits, block, out),
-        Encoding::TopK { .. } | Encoding::ChunkTopK { .. } => {
-            unreachable!("sparse encodings are not dense")
+        Encoding::TopK { .. } | Encoding::ChunkTopK { .. } | Encoding::Subspace { .. } => {
+            unreachable!("sparse and projected encodings are decoded by their modules")
         }
     }
 }

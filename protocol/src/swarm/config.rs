@@ -2,7 +2,7 @@
 //! Its hash is the run id, so peers of different runs (or of a run whose settings differ in
 //! any way) never mix.
 
-use crate::TrafficCodecs;
+use crate::{HopCodec, TrafficCodecs};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -195,9 +195,10 @@ impl RunConfig {
         for c in [self.codecs.activations, self.codecs.activation_grads] {
             c.validate().map_err(|e| e.to_string())?;
         }
+        HopCodec::check_projections(&self.codecs.activations, &self.codecs.activation_grads)?;
         self.codecs
             .averaging
-            .validate()
+            .validate_for_averaging()
             .map_err(|e| e.to_string())?;
         Ok(())
     }
