@@ -115,7 +115,9 @@ impl HopCodec {
             .any(|c| c.projection_fold() != codecs[0].projection_fold())
         {
             return Err(format!(
-                "activation codecs {activations} and gradient codecs {grads} project onto                  different subspaces: a subspace code (sub:F) is part of the model, so every                  boundary codec must use the same F"
+                "activation codecs {activations} and gradient codecs {grads} project onto \
+                 different subspaces: a subspace code (sub:F) is part of the model, so every \
+                 boundary codec must use the same F"
             ));
         }
         Ok(())
@@ -182,6 +184,19 @@ mod tests {
         for bad in ["", "int5", "int8,", ",int4", "int8,int4,int2", "int8:7"] {
             assert!(bad.parse::<HopCodec>().is_err(), "{bad}");
         }
+    }
+
+    /// A subspace code's projection is part of the model: every boundary codec of a run
+    /// shares it, or the run is refused (a rotation alone, `sub:1`, drops nothing).
+    #[test]
+    fn every_boundary_codec_shares_a_projection() {
+        let hop = |s: &str| s.parse::<HopCodec>().unwrap();
+        let check = |a: &str, g: &str| HopCodec::check_projections(&hop(a), &hop(g));
+        assert!(check("sub:2:int8,sub:2:int4", "sub:2:int4").is_ok());
+        assert!(check("int8,sub:1:int4", "auto").is_ok());
+        assert!(check("sub:2:int4", "auto").is_err());
+        assert!(check("int8,sub:2:int4", "sub:2:int4").is_err());
+        assert!(check("sub:4", "sub:2").is_err());
     }
 
     /// A hop's receiver takes a tensor in either of the run's two codecs for the hop, block
