@@ -513,8 +513,8 @@ count = 2                # peers chosen by the seed (or `peers = [ids]`)
                 EXAMPLE.replace("steps = 40", "steps = 40\nspeed = 2"),
                 "unknown field",
             ),
-            (EXAMPLE.replace("\"int8\"", "\"int3\""), "unknown codec"),
-            (EXAMPLE.replace("int8,int4", "int8,int3"), "gradient_codec"),
+            (EXAMPLE.replace("\"int8\"", "\"int5\""), "unknown codec"),
+            (EXAMPLE.replace("int8,int4", "int8,int5"), "gradient_codec"),
             (EXAMPLE.replace("int8,int4", "int8,int4:7"), "block"),
             (
                 EXAMPLE.replace("steps = 40", "steps = 40\ncompute = \"guessed\""),
