@@ -452,6 +452,21 @@ mod tests {
         (0..n).map(|i| 1.0 + (i % 97) as f32 * 1e-6).collect()
     }
     const ME: PeerKey = PeerKey(5);
+
+    /// What replica 9, holding `theirs`, answers this replica's catch-up request for `round`
+    /// of stage 1: the round's samples and its encoded vector.
+    fn answer_to_me(theirs: &mut CatchUp, round: u64) -> (f64, Vec<u8>) {
+        let mut out = Outbox::new(PeerKey(9));
+        theirs.answer(&mut out, ME, 1, round);
+        let Some(Action::Send {
+            msg: Message::CatchUp { samples, data, .. },
+            ..
+        }) = out.pop()
+        else {
+            panic!("an answer");
+        };
+        (samples, data)
+    }
     const ALL: fn(PeerKey) -> bool = |_| true;
 
     fn members(list: &[(u64, u32, u64, u64)]) -> Membership {
@@ -498,15 +513,7 @@ mod tests {
         );
         let mut theirs = CatchUp::default();
         theirs.remember(4, &[0.25; 3], &[None], 8.0);
-        let mut their_out = Outbox::new(PeerKey(9));
-        theirs.answer(&mut their_out, ME, 1, 4);
-        let Some(Action::Send {
-            msg: Message::CatchUp { samples, data, .. },
-            ..
-        }) = their_out.pop()
-        else {
-            panic!("an answer");
-        };
+        let (samples, data) = answer_to_me(&mut theirs, 4);
         // Not from the replica asked, or about another round: ignored.
         assert_eq!(
             mine.on_answer(&mut out, PeerKey(8), 4, samples, &data, 3),
@@ -527,6 +534,7 @@ mod tests {
             "once"
         );
         // A round is answered once per replica: asking again costs the other side nothing.
+        let mut their_out = Outbox::new(PeerKey(9));
         theirs.answer(&mut their_out, ME, 1, 4);
         theirs.answer(&mut their_out, ME, 1, 3);
         assert_eq!(their_out.pop(), None);
@@ -649,15 +657,7 @@ mod tests {
         parts[1] = None;
         let mut theirs = CatchUp::default();
         theirs.remember(7, &applied, &parts, 16.0);
-        let mut their_out = Outbox::new(PeerKey(9));
-        theirs.answer(&mut their_out, ME, 1, 7);
-        let Some(Action::Send {
-            msg: Message::CatchUp { samples, data, .. },
-            ..
-        }) = their_out.pop()
-        else {
-            panic!("an answer");
-        };
+        let (samples, data) = answer_to_me(&mut theirs, 7);
         let fp32 = 4 * values.len();
         assert!(
             data.len() < fp32 / 4 + 4 * middle.len() + 200,
@@ -691,15 +691,7 @@ mod tests {
         let round = |scale: f32| -> Vec<f32> { (0..600).map(|i| (i % 7) as f32 * scale).collect() };
         let mut theirs = CatchUp::default();
         theirs.remember(9, &round(1e-2), &[None], 32.0);
-        let mut their_out = Outbox::new(PeerKey(9));
-        theirs.answer(&mut their_out, ME, 1, 9);
-        let Some(Action::Send {
-            msg: Message::CatchUp { samples, data, .. },
-            ..
-        }) = their_out.pop()
-        else {
-            panic!("an answer");
-        };
+        let (samples, data) = answer_to_me(&mut theirs, 9);
         let mut mine = CatchUp::default();
         mine.remember(5, &round(1e-2), &[None], 32.0);
         for r in 6..9 {
