@@ -149,3 +149,42 @@ pub(super) fn lift(projected: &mut [f32], fold: u32, out: &mut [f32]) {
         }
     }
 }
+
+/// Appends the encoding of `input` (finite, whole blocks checked here) to `out`: projected
+/// into `projected`, then the inner code.
+pub(super) fn encode(
+    input: &[f32],
+    fold: u32,
+    bits: u8,
+    block: u32,
+    projected: &mut Vec<f32>,
+    out: &mut Vec<u8>,
+) -> Result<(), CodecError> {
+    check_len(input.len())?;
+    project(input, fold, projected);
+    // Finite inputs near f32's limit can sum past it.
+    if !all_finite(projected) {
+        return Err(CodecError::NonFinite);
+    }
+    match bits {
+        8 => write_int8(projected, block as usize, out),
+        _ => lowbit::write(projected, bits, block, out),
+    }
+    Ok(())
+}
+
+/// Decodes a payload the header has checked into `out` (its length the tensor's), through
+/// `projected`.
+pub(super) fn decode(
+    payload: &[u8],
+    fold: u32,
+    bits: u8,
+    block: u32,
+    projected: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    projected.clear();
+    projected.resize(projected_len(out.len(), fold), 0.0);
+    decode_dense(inner_encoding(bits, block), payload, projected);
+    lift(projected, fold, out);
+}
