@@ -89,6 +89,10 @@ pub struct Report {
     /// Rebalancing: `[sim_s, peer, from_stage, to_stage]` of every stage move (peers are
     /// numbered in the order they joined).
     pub moves: Vec<(f64, usize, u32, u32)>,
+    /// `[sim_s, peer, bytes, seconds, senders]` of every state download completed (joins,
+    /// moves and re-syncs): when it completed, its size, the time from asking the first
+    /// replica to the last chunk, and how many replicas sent chunks of it.
+    pub downloads: Vec<(f64, usize, u64, f64, usize)>,
     /// `[sim_s, peer, seconds_to_serving]` of every peer that joined after the start (it
     /// chose a stage and downloaded its state): None if it never served.
     pub joins: Vec<(f64, usize, Option<f64>)>,
@@ -274,6 +278,18 @@ impl Report {
                 &mut out,
                 "joiners serving after",
                 format!("{} ({})", serving.len(), serving.join(", ")),
+            );
+        }
+        if !self.downloads.is_empty() {
+            let took: Vec<String> = self
+                .downloads
+                .iter()
+                .map(|d| format!("{} in {:.1} s from {}", human(d.2), d.3, d.4))
+                .collect();
+            row(
+                &mut out,
+                "state downloads",
+                format!("{} ({})", took.len(), took.join(", ")),
             );
         }
         row(

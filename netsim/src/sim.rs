@@ -295,6 +295,8 @@ pub struct Sim {
     recoveries: Vec<Recovery>,
     gone_stats: Vec<(u64, u64)>,
     moves: Vec<(f64, usize, u32, u32)>,
+    /// `[sim_s, peer, bytes, seconds, senders]` of every state download completed.
+    downloads: Vec<(f64, usize, u64, f64, usize)>,
     /// The slowest stage's capacity at the first step.
     slowest_at_first_step: Option<f64>,
     /// Print every peer's protocol events to stderr (`SHOAL_NETSIM_EVENTS` set): what a
@@ -349,6 +351,7 @@ impl Sim {
             recoveries: Vec::new(),
             gone_stats: Vec::new(),
             moves: Vec::new(),
+            downloads: Vec::new(),
             slowest_at_first_step: None,
             log_events: std::env::var_os("SHOAL_NETSIM_EVENTS").is_some(),
             warnings: BTreeMap::new(),

@@ -802,6 +802,17 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
              {refused} part(s) refused by the members' vote (forged)"
         ),
         Event::RoundFailed { round, reason } => tracing::info!("round {round}: {reason}"),
+        Event::StateReceived {
+            stage,
+            bytes,
+            took,
+            senders,
+        } => println!(
+            "received stage {stage}'s state: {:.1} MB in {:.1} s from {senders} replica(s) ({:.1} MB/s)",
+            bytes as f64 / 1e6,
+            took.as_secs_f64(),
+            bytes as f64 / 1e6 / took.as_secs_f64().max(1e-3)
+        ),
         Event::Resync { from, reason } => println!("re-syncing from {from}: {reason}"),
         Event::StateRefused { from } => println!(
             "refused the state from {from}: its parameters differ from its stage's; asking another replica"

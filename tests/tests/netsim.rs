@@ -569,11 +569,20 @@ fn joiners_average_with_the_replicas_already_there() {
 /// A replica that serves joiners a well-formed state with its parameters negated (and a hash
 /// that matches the bytes it sent): each joiner that downloads from it finds the parameters
 /// differ from those more than half of the stage announce, refuses the state and downloads
-/// another replica's. Four peers join at 2.2 s of a 150-step run.
+/// another replica's. Four peers join at 2.2 s of a 150-step run. The attackers have the
+/// fastest links, so their chunks arrive first and joiners take their version (a joiner
+/// asks every replica of these small stages, and keeps the version that comes first).
 #[test]
 fn a_poisoned_state_is_refused_and_downloaded_again() {
-    let scenario =
-        |behavior: &str| attacked(behavior).replace("steps = 30", "steps = 150") + &joiners(4, 2.2);
+    let scenario = |behavior: &str| {
+        let mut text = attacked(behavior).replace("steps = 30", "steps = 150");
+        for stage in 0..2 {
+            let attacker = format!("link = \"metro\"\nstage = {stage}\nbehavior");
+            let fast = format!("link = \"datacenter\"\nstage = {stage}\nbehavior");
+            text = text.replace(&attacker, &fast);
+        }
+        text + &joiners(4, 2.2)
+    };
     let honest = run(&scenario("honest"), 1);
     assert_eq!(honest.refused_states, 0);
     let r = run(&scenario("poison-state"), 1);
@@ -581,9 +590,11 @@ fn a_poisoned_state_is_refused_and_downloaded_again() {
     assert!(r.refused_states >= 1, "{table}");
     assert!(r.finished && r.honest_agree, "{table}");
     assert_eq!(r.nonfinite_replicas, 0, "{table}");
+    // Within the attacks' goal (3%): the joiners that took a poisoned state download
+    // another and start serving later (1.2% on this seed).
     let (loss, honest_loss) = (r.final_loss.unwrap(), honest.final_loss.unwrap());
     assert!(
-        loss < honest_loss * 1.01,
+        loss < honest_loss * 1.03,
         "loss {loss} against {honest_loss} honest"
     );
 }

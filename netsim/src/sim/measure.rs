@@ -64,6 +64,17 @@ impl Sim {
                 }
             }
             Event::Moving { from, to } => self.moves.push((self.now_s(), i, from, to)),
+            Event::StateReceived {
+                bytes,
+                took,
+                senders,
+                ..
+            } => {
+                // Scaled-down tensors were charged their full size on the links.
+                let bytes = bytes * self.peer_costs.param_scale as u64;
+                let d = (self.now_s(), i, bytes, took.as_secs_f64(), senders);
+                self.downloads.push(d);
+            }
             Event::Warning(w) => {
                 let known = self.warnings.len() < crate::report::MAX_WARNINGS;
                 if known || self.warnings.contains_key(&w) {
@@ -264,6 +275,7 @@ impl Sim {
             honest_agree,
             recoveries: self.recoveries,
             moves: self.moves,
+            downloads: self.downloads,
             joins,
             warnings: {
                 let mut w: Vec<(String, usize)> = self

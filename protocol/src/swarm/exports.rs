@@ -300,7 +300,9 @@ impl StateExports {
     }
 
     /// An export for `to` finished with `bytes` (the state at `at`): kept as a snapshot, and
-    /// the chunk `to` wants first is sent.
+    /// the chunk `to` wants first is sent. Two requests that came while neither's export had
+    /// finished export the same version twice: the second serves its requester from the
+    /// first's snapshot, since chunk requests name the version and find the first.
     pub fn exported(
         &mut self,
         out: &mut Outbox,
@@ -309,6 +311,13 @@ impl StateExports {
         bytes: Vec<u8>,
         now: Duration,
     ) {
+        let first = self.first.remove(&to).unwrap_or(0);
+        let hash = state_hash(&bytes);
+        if let Some(which) = self.find(at.stage, hash) {
+            self.snapshots[which].sent.entry(to).or_insert(0);
+            self.send_first(out, which, to, first, now);
+            return;
+        }
         if self.snapshots.len() >= MAX_SNAPSHOTS
             && let Some(lru) = (0..self.snapshots.len()).min_by_key(|i| self.snapshots[*i].used)
         {
@@ -316,14 +325,13 @@ impl StateExports {
         }
         self.snapshots.push(Snapshot {
             at,
-            hash: state_hash(&bytes),
+            hash,
             bytes,
             sent: BTreeMap::from([(to, 0)]),
             released: BTreeSet::new(),
             used: now,
             chunk_bytes: self.chunk_bytes,
         });
-        let first = self.first.remove(&to).unwrap_or(0);
         self.send_first(out, self.snapshots.len() - 1, to, first, now);
     }
 
@@ -482,6 +490,31 @@ mod tests {
             e.request(&mut out, PeerKey(100 + k), 0, None, AT, true, S);
         }
         assert_eq!(e.waiting.len(), MAX_WAITING);
+    }
+
+    /// Two joiners asking at once both start an export of the same version; each is then
+    /// served every chunk it asks for (the second's chunk requests find the first snapshot).
+    #[test]
+    fn requesters_whose_exports_ran_together_are_both_served() {
+        let mut e = StateExports::new(30 * S, CHUNK_BYTES);
+        let mut out = Outbox::new(PeerKey(1));
+        e.request(&mut out, PeerKey(7), 0, None, AT, false, S);
+        e.request(&mut out, PeerKey(8), 1, None, AT, false, S);
+        assert_eq!(exports(&mut out), [7, 8]);
+        let state = vec![5u8; 3 * CHUNK_BYTES];
+        let hash = state_hash(&state);
+        e.exported(&mut out, PeerKey(7), AT, state.clone(), 2 * S);
+        e.exported(&mut out, PeerKey(8), AT, state, 2 * S);
+        assert_eq!(e.snapshots.len(), 1, "one copy of one version");
+        assert_eq!(chunks(&mut out), [(7, 0, 4), (8, 1, 4)]);
+        for (k, i) in [(7, 1), (7, 2), (8, 0), (8, 2)] {
+            e.chunk_request(&mut out, PeerKey(k), 1, hash, i, 3 * S)
+                .unwrap();
+        }
+        assert_eq!(
+            chunks(&mut out),
+            [(7, 1, 4), (7, 2, 4), (8, 0, 4), (8, 2, 4)]
+        );
     }
 
     #[test]

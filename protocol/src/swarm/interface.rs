@@ -5,6 +5,7 @@
 
 use super::PeerKey;
 use super::message::{Announcement, Message};
+use std::time::Duration;
 
 /// The input of a forward job.
 #[derive(Clone, Debug, PartialEq)]
@@ -199,6 +200,17 @@ pub enum Event {
         round: u64,
         /// Why.
         reason: &'static str,
+    },
+    /// A stage's state arrived whole and verified against its hash (it is built next).
+    StateReceived {
+        /// The stage.
+        stage: u32,
+        /// Its size.
+        bytes: u64,
+        /// From the first replica asked to the last chunk.
+        took: Duration,
+        /// Replicas that sent chunks of it.
+        senders: usize,
     },
     /// A state downloaded from `from` was refused: its parameters differ from those more than
     /// half of the stage announce. Another replica is asked.

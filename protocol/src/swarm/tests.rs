@@ -3,6 +3,7 @@
 //! are easy to check. No sockets, no threads, no clock.
 
 use super::*;
+use crate::swarm::transfer::{MAX_SOURCES, RACING_SOURCES};
 use crate::{Codec, HopCodec, TrafficCodecs};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
@@ -667,6 +668,36 @@ fn a_joiner_takes_a_stage_and_matches_its_replicas() {
         "stage {stage}: {h:?}"
     );
     s.assert_at_most_once();
+}
+
+/// A joiner of a stage with ten replicas asks eight of them for the state in allreduce
+/// (their exports are identical, so each serves part of it) and only three in DiLoCo (each
+/// exports its own local state, so the first to answer serves it all).
+#[test]
+fn a_joiner_asks_more_replicas_where_their_states_are_identical() {
+    for (sync, asked) in [
+        (SyncMode::AllReduce, MAX_SOURCES),
+        (SyncMode::diloco(4), RACING_SOURCES),
+    ] {
+        let mut s = Swarm::new(1, sync, 40);
+        for k in 1..=10 {
+            s.add_at(k, 1, Some(0));
+        }
+        s.run_until(s.now + Duration::from_millis(500));
+        let sources = std::rc::Rc::new(std::cell::RefCell::new(BTreeSet::new()));
+        let seen = sources.clone();
+        s.filter = Box::new(move |from, to, msg| {
+            if from == PeerKey(99) && matches!(msg, Message::StateRequest { .. }) {
+                seen.borrow_mut().insert(to);
+            }
+            Some(Duration::ZERO)
+        });
+        s.add(99, 1);
+        s.run_until(s.now + Duration::from_secs(5));
+        let joiner = &s.peers[&PeerKey(99)].0;
+        assert!(joiner.stats().state_transfers >= 1, "{sync:?}: downloaded");
+        assert_eq!(sources.borrow().len(), asked, "{sync:?}");
+    }
 }
 
 /// Rebalancing: three replicas on the first stage, one on the second; one of the first moves

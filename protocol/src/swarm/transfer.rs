@@ -2,7 +2,8 @@
 //! re-syncing peer in chunks, pulled from several replicas at once and checked against a hash
 //! of the whole before it is used.
 //!
-//! A joiner asks up to [`MAX_SOURCES`] replicas for an export at once. A replica keeps its
+//! A joiner asks up to [`MAX_SOURCES`] replicas for an export at once ([`RACING_SOURCES`]
+//! where replicas' states differ, as in DiLoCo). A replica keeps its
 //! export as a snapshot while it is downloaded and cuts chunks from it as they are asked for
 //! ([`chunk`]), so a sender holds one copy of the state, not one per chunk in flight. Each
 //! source first sends one chunk, which names its version (the snapshot's hash); the joiner
@@ -27,8 +28,17 @@ pub const CHUNK_BYTES: usize = 4 << 20;
 /// uplink sends in a round trip, so a source's link never idles waiting for the next ask.
 pub const WINDOW: usize = 4;
 
-/// Replicas asked for the state at once, at most.
-pub const MAX_SOURCES: usize = 3;
+/// Replicas asked for the state at once, at most, where they export identical bytes
+/// (allreduce). Each holds a snapshot while it serves, and each shares its uplink between
+/// the chunks and its own rounds, which on home links keep it busy most of a step: eight
+/// sources' spare uplinks fill most of a home downlink (netsim `gpt2-home`: joiners serving
+/// in 40-73 s with eight, 52-120 s with three).
+pub const MAX_SOURCES: usize = 8;
+
+/// Replicas asked at once where each exports its own bytes (DiLoCo: local parameters and
+/// moments differ): the first to answer serves and the others only cost an export, so a few
+/// race, no more.
+pub const RACING_SOURCES: usize = 3;
 
 /// How many chunks of `chunk_bytes` a state of `total` bytes has (an empty state is one
 /// empty chunk).
@@ -109,6 +119,10 @@ pub struct Downloaded {
     pub bytes: Vec<u8>,
     /// A source of it that served to the end (the first to send a chunk of it, if it did).
     pub source: PeerKey,
+    /// From the first source asked to the last chunk, restarts included.
+    pub took: Duration,
+    /// Replicas that sent chunks of it.
+    pub senders: usize,
 }
 
 /// A state's version, as every chunk of it says.
@@ -161,6 +175,8 @@ pub struct Download {
     /// it stalled, or the download completed), with their snapshot's hash: each is told, so
     /// it can drop its copy of the state.
     released: Vec<(PeerKey, u64)>,
+    /// When the first source was asked.
+    started: Option<Duration>,
     /// Bytes received in all (including chunks dropped by starting over).
     pub bytes_received: u64,
     /// Times the download started over with another version.
@@ -188,6 +204,7 @@ impl Download {
             senders: BTreeSet::new(),
             sources: BTreeMap::new(),
             released: Vec::new(),
+            started: None,
             bytes_received: 0,
             restarts: 0,
         }
@@ -195,6 +212,7 @@ impl Download {
 
     /// `peer` was asked for an export now: a source until it fails to make progress.
     pub fn ask(&mut self, peer: PeerKey, now: Duration) {
+        self.started.get_or_insert(now);
         self.sources.entry(peer).or_insert(Source {
             version: None,
             asked: BTreeSet::new(),
@@ -372,6 +390,7 @@ impl Download {
             self.received = 0;
             return Added::Corrupt(suspects);
         }
+        let senders = self.senders.len();
         let done: Vec<PeerKey> = self.sources.keys().copied().collect();
         // The version's first source if it served to the end, else the one that sent the
         // last chunk: a source still holding the snapshot keeps the rounds since it, which
@@ -385,6 +404,8 @@ impl Download {
             round: version.round,
             bytes: std::mem::take(&mut self.bytes),
             source,
+            took: now.saturating_sub(self.started.unwrap_or(now)),
+            senders,
         })
     }
 

@@ -11,11 +11,11 @@ use crate::swarm::interface::{Event, Job};
 use crate::swarm::message::StateChunk;
 use crate::swarm::role::ChunkOutcome;
 use crate::swarm::service::Service;
-use crate::swarm::transfer::MAX_SOURCES;
+use crate::swarm::transfer::{MAX_SOURCES, RACING_SOURCES};
 use std::time::Duration;
 
 impl Peer {
-    /// Starts downloading `stage`'s state from up to [`MAX_SOURCES`] of its replicas (see
+    /// Starts downloading `stage`'s state from several of its replicas (see
     /// [`Self::pick_sources`]; `avoid`: one whose state was refused), or builds it fresh if
     /// it has none.
     pub(super) fn sync_from_someone(&mut self, stage: u32, avoid: Option<PeerKey>, now: Duration) {
@@ -45,9 +45,10 @@ impl Peer {
         }
     }
 
-    /// Up to [`MAX_SOURCES`] of `stage`'s vouched replicas picked at random, not already
-    /// sources: other than `avoid` and those asked so lately that they would not answer,
-    /// where there are others.
+    /// Up to [`MAX_SOURCES`] of `stage`'s vouched replicas picked at random ([`RACING_SOURCES`]
+    /// in DiLoCo, whose replicas' states differ, so one serves), not already sources: other
+    /// than `avoid` and those asked so lately that they would not answer, where there are
+    /// others.
     pub(super) fn pick_sources(
         &mut self,
         stage: u32,
@@ -62,8 +63,13 @@ impl Peer {
         if replicas.iter().any(|k| !self.role.asked_lately(*k, now)) {
             replicas.retain(|k| !self.role.asked_lately(*k, now));
         }
+        let most = if self.allreduce() {
+            MAX_SOURCES
+        } else {
+            RACING_SOURCES
+        };
         let mut picked = Vec::new();
-        while picked.len() < MAX_SOURCES && !replicas.is_empty() {
+        while picked.len() < most && !replicas.is_empty() {
             let i = (self.rng.next_u64() % replicas.len() as u64) as usize;
             picked.push(replicas.swap_remove(i));
         }
@@ -156,6 +162,12 @@ impl Peer {
                 self.send_download_messages();
                 self.steps.set_position(done.step, done.round, true);
                 if let Some(stage) = self.role.stage() {
+                    self.out.event(Event::StateReceived {
+                        stage,
+                        bytes: done.bytes.len() as u64,
+                        took: done.took,
+                        senders: done.senders,
+                    });
                     self.out.compute(Job::Import {
                         stage,
                         state: done.bytes,
