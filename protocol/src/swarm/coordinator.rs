@@ -294,16 +294,6 @@ impl StepCoordinator {
                 .any(|k| self.elders.contains(k))
     }
 
-    /// Whether this driver joined its stage lately and has not finished a round with others
-    /// since, while replicas that were there before it still serve. It does not start
-    /// microbatches then: until its first round it does not know how far the step is (the
-    /// others' progress reaches it only once they count it a replica), and samples it starts
-    /// for a step the others are closing are counted toward that step downstream and toward
-    /// the next one here, which then waits a join window for samples that never come.
-    fn settling_in(&self, members: &Membership) -> bool {
-        self.joined && members.replicas(0).iter().any(|k| self.elders.contains(k))
-    }
-
     /// This replica sets out to download its stage's state while `elders` serve it.
     pub fn set_elders(&mut self, elders: Vec<PeerKey>) {
         self.elders = elders;
@@ -392,8 +382,7 @@ impl StepCoordinator {
             committed: self.accumulated + commits_queued,
             others,
             blocked: self.local_step_queued
-                || (allreduce && (self.rounds.contributed() || self.applying_round))
-                || (allreduce && self.settling_in(members)),
+                || (allreduce && (self.rounds.contributed() || self.applying_round)),
             // At the end of the run every replica still behind is fed, down to the slowest.
             ahead: if self.finished {
                 Some(self.slowest_replica_round(members))

@@ -256,23 +256,6 @@ fn a_stranded_replica_catches_up_from_a_replica_it_never_checked() {
     assert_eq!(sends(&mut out), [(PeerKey(4), request)]);
 }
 
-/// A driver that downloaded its state starts no microbatch before its first round with the
-/// replicas that were there (it cannot tell how far their step is), unless none of them
-/// serves any more (nobody else would drive).
-#[test]
-fn a_joined_driver_starts_nothing_before_its_first_round_with_the_stage() {
-    let mut c = serving(SyncMode::AllReduce);
-    c.set_elders(vec![PeerKey(9)]);
-    c.set_position(3, 3, true);
-    assert!(c.demand(&members(&[(9, 0, 3, None)]), 4.0, 0.0).blocked);
-    assert!(
-        !c.demand(&members(&[(10, 0, 3, None)]), 4.0, 0.0).blocked,
-        "its elders are gone"
-    );
-    c.set_position(3, 3, false);
-    assert!(!c.demand(&members(&[(9, 0, 3, None)]), 4.0, 0.0).blocked);
-}
-
 /// Laggards and the end of the run: a driver of a stage ahead of another by more than a
 /// round, or of a finished stage, is told to feed the slowest round only.
 #[test]
