@@ -94,6 +94,11 @@ pub(super) struct StepCoordinator {
     /// The replicas that served the stage when this replica set out to download it: while
     /// none of them serves any more, it is no newcomer (see [`StepCoordinator::newcomer`]).
     elders: Vec<PeerKey>,
+    /// The state being downloaded is to join the stage, not to re-sync with it.
+    joining: bool,
+    /// A driver that joined its stage starts no microbatch before this, nor before its first
+    /// round with others (see [`StepCoordinator::demand`]).
+    drive_after: Option<Duration>,
     /// Samples committed toward the step being collected.
     accumulated: f64,
     /// Loss times samples, and samples, of the microbatches behind `accumulated` (last stage).
@@ -148,6 +153,8 @@ impl StepCoordinator {
             finished: false,
             joined: false,
             elders: Vec::new(),
+            joining: false,
+            drive_after: None,
             accumulated: 0.0,
             losses: (0.0, 0.0),
             last_loss: None,
@@ -231,6 +238,7 @@ impl StepCoordinator {
             self.starve_check,
             self.settle_until,
             self.retry_at,
+            self.drive_after,
         ]
         .into_iter()
         .flatten()
@@ -294,15 +302,31 @@ impl StepCoordinator {
                 .any(|k| self.elders.contains(k))
     }
 
-    /// This replica sets out to download its stage's state while `elders` serve it.
-    pub fn set_elders(&mut self, elders: Vec<PeerKey>) {
+    /// Whether this driver joined its stage so lately that it should start nothing yet: until
+    /// its first round with the replicas that were there it does not know how far their step
+    /// is (their progress reaches it once they count it a replica), and samples it starts for
+    /// a step they are closing are counted toward that step downstream and toward the next
+    /// one here, which then waits a join window for samples that never come. The replicas
+    /// there deal it no part of the step meanwhile (they have not checked its work). Not after
+    /// a re-sync (its stage-mates count on its part) and for one join window at most (a
+    /// rejoining driver they still count on would otherwise hold the step for good).
+    fn settling_in(&self, members: &Membership, now: Duration) -> bool {
+        self.drive_after.is_some_and(|t| now < t) && self.newcomer(Some(0), members)
+    }
+
+    /// This replica sets out to download its stage's state while `elders` serve it, to join
+    /// the stage or (`resync`) to take the state of replicas it served with.
+    pub fn set_elders(&mut self, elders: Vec<PeerKey>, resync: bool) {
         self.elders = elders;
+        self.joining = !resync;
     }
 
     /// The replica starts serving with parameters hashing to `hash` (None: not comparable,
     /// e.g. DiLoCo parameters in the middle of a round). It waits to settle until `settle`.
     pub fn start_serving(&mut self, hash: Option<u64>, source: Option<PeerKey>, settle: Duration) {
         self.settle_until = Some(settle);
+        self.drive_after =
+            (self.joined && self.joining).then_some(settle + self.settings.timing.join_window);
         self.state_source = source;
         self.params_hash = hash;
         self.inner_steps = 0;
@@ -360,7 +384,13 @@ impl StepCoordinator {
     /// What the step being collected needs from this replica as a data driver of stage 0,
     /// whose part of the step is `share` samples and which has `commits_queued` samples in
     /// queued commit jobs.
-    pub fn demand(&self, members: &Membership, share: f64, commits_queued: f64) -> Demand {
+    pub fn demand(
+        &self,
+        members: &Membership,
+        share: f64,
+        commits_queued: f64,
+        now: Duration,
+    ) -> Demand {
         let allreduce = self.settings.allreduce();
         let round = self.collecting_round();
         let batch = f64::from(self.settings.global_batch);
@@ -382,7 +412,10 @@ impl StepCoordinator {
             committed: self.accumulated + commits_queued,
             others,
             blocked: self.local_step_queued
-                || (allreduce && (self.rounds.contributed() || self.applying_round)),
+                || (allreduce
+                    && (self.rounds.contributed()
+                        || self.applying_round
+                        || self.settling_in(members, now))),
             // At the end of the run every replica still behind is fed, down to the slowest.
             ahead: if self.finished {
                 Some(self.slowest_replica_round(members))
@@ -551,6 +584,9 @@ impl StepCoordinator {
         if self.retry_at.is_some_and(|t| now >= t) {
             self.retry_at = None;
             self.maybe_begin_round(out, stage, members, next_waiting, now);
+        }
+        if self.drive_after.is_some_and(|t| now >= t) {
+            self.drive_after = None;
         }
         self.catch_up.expire(now)
     }

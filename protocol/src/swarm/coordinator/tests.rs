@@ -256,27 +256,62 @@ fn a_stranded_replica_catches_up_from_a_replica_it_never_checked() {
     assert_eq!(sends(&mut out), [(PeerKey(4), request)]);
 }
 
+/// A driver that joined its stage starts no microbatch before its first round with the
+/// replicas that were there (it cannot tell how far their step is), nor for a join window
+/// after it serves; one that re-synced goes on at once (its stage-mates count on its part), as
+/// does one whose elders are all gone (nobody else would drive).
+#[test]
+fn a_joined_driver_starts_nothing_before_its_first_round_with_the_stage() {
+    let joined = |resync: bool| {
+        let mut c = serving(SyncMode::AllReduce);
+        c.set_elders(vec![PeerKey(9)], resync);
+        c.set_position(3, 3, true);
+        c.start_serving(Some(7), Some(PeerKey(9)), MS);
+        c
+    };
+    let elder = members(&[(9, 0, 3, None)]);
+    let c = joined(false);
+    assert!(c.demand(&elder, 4.0, 0.0, MS).blocked);
+    let window = c.settings.timing.join_window;
+    assert!(
+        !c.demand(&elder, 4.0, 0.0, MS + window).blocked,
+        "a join window after it serves"
+    );
+    assert!(
+        !c.demand(&members(&[(10, 0, 3, None)]), 4.0, 0.0, MS)
+            .blocked,
+        "its elders are gone"
+    );
+    let mut m = members(&[(9, 0, 3, None)]);
+    m.set_checked(PeerKey(9), false, true);
+    assert!(!c.demand(&m, 4.0, 0.0, MS).blocked, "it worked with them");
+    assert!(
+        !joined(true).demand(&elder, 4.0, 0.0, MS).blocked,
+        "a re-sync"
+    );
+}
+
 /// Laggards and the end of the run: a driver of a stage ahead of another by more than a
 /// round, or of a finished stage, is told to feed the slowest round only.
 #[test]
 fn a_driver_ahead_of_a_lagging_stage_is_told_so() {
     let mut c = serving(SyncMode::AllReduce);
     c.set_position(3, 3, false);
-    let d = c.demand(&members(&[(9, 1, 2, None)]), 4.0, 0.0);
+    let d = c.demand(&members(&[(9, 1, 2, None)]), 4.0, 0.0, MS);
     assert_eq!(d.ahead, None, "a round behind is normal");
-    let d = c.demand(&members(&[(9, 1, 1, None)]), 4.0, 0.0);
+    let d = c.demand(&members(&[(9, 1, 1, None)]), 4.0, 0.0, MS);
     assert_eq!(d.ahead, Some(1));
     assert_eq!(d.quota, 8.0);
     // A stage is as far as its most advanced replica: one replica behind (or an identity
     // announcing an old round) holds nobody back, it catches up on its own.
-    let d = c.demand(&members(&[(9, 1, 3, None), (10, 1, 0, None)]), 4.0, 0.0);
+    let d = c.demand(&members(&[(9, 1, 3, None), (10, 1, 0, None)]), 4.0, 0.0, MS);
     assert_eq!(d.ahead, None);
-    let d = c.demand(&members(&[(9, 1, 1, None), (10, 2, 3, None)]), 4.0, 0.0);
+    let d = c.demand(&members(&[(9, 1, 1, None), (10, 2, 3, None)]), 4.0, 0.0, MS);
     assert_eq!(d.ahead, Some(1), "the whole of stage 1 is behind");
     // DiLoCo replicas step on their own: no laggards, the quota is the local batch.
     let mut c = serving(SyncMode::diloco(2));
     c.set_position(3, 3, false);
-    let d = c.demand(&members(&[(9, 0, 1, None)]), 4.0, 0.0);
+    let d = c.demand(&members(&[(9, 0, 1, None)]), 4.0, 0.0, MS);
     assert_eq!((d.ahead, d.quota, d.others), (None, 4.0, None));
 }
 
@@ -290,7 +325,10 @@ fn diloco_takes_local_steps_and_averages_every_h() {
         c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
         assert_eq!(out.jobs.next(MS), Some(Job::LocalStep), "step {step}");
         out.jobs.finished(MS);
-        assert!(c.demand(&m, 4.0, 0.0).blocked, "until the step is applied");
+        assert!(
+            c.demand(&m, 4.0, 0.0, MS).blocked,
+            "until the step is applied"
+        );
         assert!(!c.on_stepped(&mut out, 1, true));
     }
     assert_eq!(c.step(), 2);

@@ -129,7 +129,7 @@ impl Peer {
         );
         let demand = self
             .steps
-            .demand(&self.members, share, self.server.commits_queued());
+            .demand(&self.members, share, self.server.commits_queued(), now);
         let rows = c.microbatch;
         let started = self.driver.pump(
             &mut self.out,

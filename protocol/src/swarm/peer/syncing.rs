@@ -34,7 +34,8 @@ impl Peer {
     /// Drops the stage's work in progress and starts getting its state from `sources`.
     pub(super) fn start_sync(&mut self, stage: u32, sources: &[PeerKey], now: Duration) {
         self.abandon_stage_work();
-        self.steps.set_elders(self.members.replicas(stage));
+        let resync = self.role.serving() == Some(stage);
+        self.steps.set_elders(self.members.replicas(stage), resync);
         let size = (
             self.costs.max_state_bytes(stage as usize),
             self.costs.state_chunk_bytes(),
