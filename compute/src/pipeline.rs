@@ -98,6 +98,14 @@ impl<B: Backend> LocalPipeline<B> {
         self.coupling = coupling;
     }
 
+    /// Activation recomputation on every stage (see [`Stage::set_recompute`]).
+    pub fn set_recompute(&mut self, recompute: bool) -> Result<(), StageError> {
+        for s in &mut self.stages {
+            s.set_recompute(recompute)?;
+        }
+        Ok(())
+    }
+
     /// The stages, first to last.
     pub fn stages(&self) -> &[Stage<B>] {
         &self.stages

@@ -102,6 +102,11 @@ impl<B: Backend> StageReplica<B> {
         })
     }
 
+    /// Activation recomputation (see [`Stage::set_recompute`]).
+    pub fn set_recompute(&mut self, recompute: bool) -> Result<(), StageError> {
+        self.stage.set_recompute(recompute)
+    }
+
     /// Which stage this replica serves.
     pub fn spec(&self) -> StageSpec {
         self.stage.spec()

@@ -15,6 +15,7 @@
 
 use crate::backend::{AttentionShape, Backend, BackendError, MatmulShape, RowShape};
 use crate::config::ModelConfig;
+use crate::memory::{MemoryUse, StageMemory};
 use crate::optim::AdamW;
 use crate::rng::{Rng, derive_seed};
 use serde::{Deserialize, Serialize};
@@ -74,10 +75,10 @@ impl StageSpec {
         3.0 * (2.0 * weights as f64 + attention as f64) * seq as f64
     }
 
-    /// Device memory (bytes) to train this stage: parameters, gradients, two AdamW moments and
-    /// a DiLoCo anchor and momentum (6 fp32 copies), plus the activations kept for the backward
-    /// pass of `in_flight` microbatches of `rows` x `seq` tokens (about 16 width-sized values
-    /// and the attention matrix per token and block; the logits on the last stage).
+    /// Memory (bytes) to train this stage: what the device holds ([`Self::device_memory_bytes`],
+    /// activations kept) plus a DiLoCo anchor and outer momentum, two fp32 copies of the
+    /// parameters that the replica keeps in host memory (counted so that a stage chosen by
+    /// this figure fits in either mode on a device that shares memory with the host).
     pub fn train_memory_bytes(
         &self,
         config: &ModelConfig,
@@ -85,14 +86,46 @@ impl StageSpec {
         seq: usize,
         in_flight: usize,
     ) -> u64 {
-        let state = 6 * self.param_count(config);
+        self.device_memory_bytes(config, rows, seq, in_flight, false)
+            + 8 * self.param_count(config) as u64
+    }
+
+    /// Device memory (bytes) a [`Stage`] of this spec holds at most with `in_flight`
+    /// microbatches of `rows` x `seq` tokens awaiting their backward pass: parameters,
+    /// gradients and two AdamW moments, the activations each microbatch keeps and the
+    /// backward pass's workspace. A block's activations are 15 width-sized values, 4
+    /// per-token statistics and the attention matrix per token, and its output; with
+    /// `recompute` ([`Stage::set_recompute`]) a microbatch keeps only the outputs, and one
+    /// block's activations are workspace. The last stage adds the logits. What
+    /// [`crate::memory::StageMemory::peak`] measures, exactly.
+    pub fn device_memory_bytes(
+        &self,
+        config: &ModelConfig,
+        rows: usize,
+        seq: usize,
+        in_flight: usize,
+        recompute: bool,
+    ) -> u64 {
+        let (c, heads, vocab) = (config.width, config.heads, config.vocab);
+        let state = 4 * self.param_count(config);
         let blocks = self.blocks(config).len();
         let tokens = rows * seq;
-        let mut per_microbatch = blocks * tokens * (16 * config.width + config.heads * seq);
-        if self.is_last() {
-            per_microbatch += 2 * tokens * config.vocab;
+        let block_acts = tokens * (15 * c + 4 + heads * seq);
+        let mut per_microbatch = tokens * c + blocks * tokens * c;
+        let mut workspace = tokens * (14 * c + heads * seq);
+        if recompute {
+            workspace += if blocks > 0 { block_acts } else { 0 };
+        } else {
+            per_microbatch += blocks * block_acts;
         }
-        4 * (state + in_flight * per_microbatch) as u64
+        if self.is_first() {
+            per_microbatch += tokens;
+        }
+        if self.is_last() {
+            per_microbatch += tokens * (c + vocab + 4);
+        }
+        let microbatches = in_flight * per_microbatch + if in_flight > 0 { workspace } else { 0 };
+        4 * (state + microbatches) as u64
     }
 
     /// Checks that `config` can be trained as `stages` pipeline stages on samples of `seq`
@@ -444,16 +477,144 @@ struct BlockActs<B: Backend> {
     ln2_rstd: B::Buffer,
     fch: B::Buffer,
     fcg: B::Buffer,
-    /// Block output (input of the next block).
-    out: B::Buffer,
+}
+
+impl<B: Backend> BlockActs<B> {
+    /// Buffers for one block's activations of `shape`.
+    fn alloc(b: &B, config: &ModelConfig, shape: MicrobatchShape) -> Result<Self, BackendError> {
+        let (n, c) = (shape.tokens(), config.width);
+        Ok(BlockActs {
+            ln1: b.alloc(n * c)?,
+            ln1_mean: b.alloc(n)?,
+            ln1_rstd: b.alloc(n)?,
+            qkv: b.alloc(n * 3 * c)?,
+            probs: b.alloc(attention_shape(config, shape).probs_len())?,
+            atty: b.alloc(n * c)?,
+            x2: b.alloc(n * c)?,
+            ln2: b.alloc(n * c)?,
+            ln2_mean: b.alloc(n)?,
+            ln2_rstd: b.alloc(n)?,
+            fch: b.alloc(n * 4 * c)?,
+            fcg: b.alloc(n * 4 * c)?,
+        })
+    }
+
+    /// Block `p`'s forward pass on `x` into these buffers and, unless None, its output into
+    /// `out` (a backward pass that recomputes the activations needs everything but that).
+    fn forward(
+        &mut self,
+        b: &B,
+        p: &Block<B::Buffer>,
+        x: &B::Buffer,
+        out: Option<&mut B::Buffer>,
+        rows: RowShape,
+        att: AttentionShape,
+    ) -> Result<(), BackendError> {
+        let (n, c) = (rows.rows, rows.width);
+        b.layernorm_forward(
+            &mut self.ln1,
+            &mut self.ln1_mean,
+            &mut self.ln1_rstd,
+            x,
+            &p.ln1_w,
+            &p.ln1_b,
+            rows,
+        )?;
+        b.matmul_forward(
+            &mut self.qkv,
+            &self.ln1,
+            &p.qkv_w,
+            Some(&p.qkv_b),
+            MatmulShape {
+                rows: n,
+                input: c,
+                output: 3 * c,
+            },
+        )?;
+        b.attention_forward(&mut self.atty, &mut self.probs, &self.qkv, att)?;
+        b.matmul_forward(
+            &mut self.x2,
+            &self.atty,
+            &p.attn_proj_w,
+            Some(&p.attn_proj_b),
+            MatmulShape {
+                rows: n,
+                input: c,
+                output: c,
+            },
+        )?;
+        b.add_assign(&mut self.x2, x)?;
+        b.layernorm_forward(
+            &mut self.ln2,
+            &mut self.ln2_mean,
+            &mut self.ln2_rstd,
+            &self.x2,
+            &p.ln2_w,
+            &p.ln2_b,
+            rows,
+        )?;
+        b.matmul_forward(
+            &mut self.fch,
+            &self.ln2,
+            &p.fc_w,
+            Some(&p.fc_b),
+            MatmulShape {
+                rows: n,
+                input: c,
+                output: 4 * c,
+            },
+        )?;
+        b.gelu_forward(&mut self.fcg, &self.fch)?;
+        if let Some(out) = out {
+            b.matmul_forward(
+                out,
+                &self.fcg,
+                &p.fc_proj_w,
+                Some(&p.fc_proj_b),
+                MatmulShape {
+                    rows: n,
+                    input: 4 * c,
+                    output: c,
+                },
+            )?;
+            b.add_assign(out, &self.x2)?;
+        }
+        Ok(())
+    }
+
+    /// Values held.
+    fn values(&self, b: &B) -> usize {
+        [
+            &self.ln1,
+            &self.ln1_mean,
+            &self.ln1_rstd,
+            &self.qkv,
+            &self.probs,
+            &self.atty,
+            &self.x2,
+            &self.ln2,
+            &self.ln2_mean,
+            &self.ln2_rstd,
+            &self.fch,
+            &self.fcg,
+        ]
+        .into_iter()
+        .map(|buf| b.len(buf))
+        .sum()
+    }
 }
 
 /// What a stage keeps for one in-flight microbatch.
 struct Saved<B: Backend> {
     shape: MicrobatchShape,
+    /// Device bytes held (see [`MemoryUse::activations`]).
+    bytes: u64,
     tokens: Option<B::Tokens>,
     targets: Option<B::Tokens>,
     input: B::Buffer,
+    /// Each block's output (the next block's input).
+    outs: Vec<B::Buffer>,
+    /// Each block's activations for its backward pass; none where the stage recomputes them.
     blocks: Vec<BlockActs<B>>,
     lnf: Option<(B::Buffer, B::Buffer, B::Buffer)>,
     /// Logits, turned into probabilities by the loss, then into logit gradients by backward.
@@ -464,6 +625,8 @@ struct Saved<B: Backend> {
 /// Gradient buffers reused by every backward pass of one microbatch shape.
 struct Scratch<B: Backend> {
     shape: MicrobatchShape,
+    /// Device bytes held.
+    bytes: u64,
     dres: B::Buffer,
     dln: B::Buffer,
     datty: B::Buffer,
@@ -488,6 +651,12 @@ pub struct Stage<B: Backend> {
     in_flight: HashMap<MicrobatchId, Saved<B>>,
     spare: Vec<Saved<B>>,
     scratch: Option<Scratch<B>>,
+    /// Recompute each block's activations in the backward pass from its input rather than
+    /// keep them (see [`Stage::set_recompute`]).
+    recompute: bool,
+    /// Where recomputing: one block's activations for microbatches of a shape.
+    replay: Option<(MicrobatchShape, BlockActs<B>)>,
+    memory: StageMemory,
 }
 
 impl<B: Backend> Stage<B> {
@@ -510,7 +679,7 @@ impl<B: Backend> Stage<B> {
         let grads = info.try_map(|i| b.alloc(i.len))?;
         let adam_m = info.try_map(|i| b.alloc(i.len))?;
         let adam_v = info.try_map(|i| b.alloc(i.len))?;
-        Ok(Stage {
+        let mut stage = Stage {
             backend,
             config,
             spec,
@@ -523,7 +692,64 @@ impl<B: Backend> Stage<B> {
             in_flight: HashMap::new(),
             spare: Vec::new(),
             scratch: None,
-        })
+            recompute: false,
+            replay: None,
+            memory: StageMemory::default(),
+        };
+        stage.account(0);
+        Ok(stage)
+    }
+
+    /// Activation recomputation: a microbatch keeps only its blocks' inputs, and the backward
+    /// pass computes each block's activations again, one block at a time, before running
+    /// it backward. Saves about 15 of every 16 width-sized values a block keeps, at the cost
+    /// of a block's forward pass again (less its last product); gradients are the same, bit
+    /// for bit on a deterministic backend. Microbatches in flight must be run backward or
+    /// discarded before this changes.
+    pub fn set_recompute(&mut self, recompute: bool) -> Result<(), StageError> {
+        if recompute == self.recompute {
+            return Ok(());
+        }
+        if !self.in_flight.is_empty() {
+            return Err(self.bad_input(format!(
+                "{} microbatch(es) in flight while switching recomputation",
+                self.in_flight.len()
+            )));
+        }
+        self.recompute = recompute;
+        // Kept buffers of the other layout are of no use now.
+        self.spare.clear();
+        self.replay = None;
+        self.account(0);
+        Ok(())
+    }
+
+    /// Whether this stage recomputes activations in the backward pass.
+    pub fn recomputes(&self) -> bool {
+        self.recompute
+    }
+
+    /// Device memory this stage holds now and the most it has held.
+    pub fn memory(&self) -> StageMemory {
+        self.memory
+    }
+
+    /// Counts what the stage holds after an allocation (`pending`: the bytes of saved
+    /// activations held outside the in-flight map and the spares, being filled).
+    fn account(&mut self, pending: u64) {
+        let tensors = 4 * self.param_count() as u64;
+        let saved = self.in_flight.values().chain(&self.spare);
+        self.memory.set(MemoryUse {
+            parameters: tensors,
+            gradients: tensors,
+            optimizer: 2 * tensors,
+            activations: pending + saved.map(|s| s.bytes).sum::<u64>(),
+            workspace: self.scratch.as_ref().map_or(0, |s| s.bytes)
+                + self
+                    .replay
+                    .as_ref()
+                    .map_or(0, |(_, a)| 4 * a.values(&*self.backend) as u64),
+        });
     }
 
     /// Which stage this is.
@@ -580,34 +806,33 @@ impl<B: Backend> Stage<B> {
         let b = &*self.backend;
         let n = shape.tokens();
         let c = self.config.width;
-        let att = attention_shape(&self.config, shape);
-        let blocks = self
-            .spec
-            .blocks(&self.config)
-            .map(|_| {
-                Ok(BlockActs {
-                    ln1: b.alloc(n * c)?,
-                    ln1_mean: b.alloc(n)?,
-                    ln1_rstd: b.alloc(n)?,
-                    qkv: b.alloc(n * 3 * c)?,
-                    probs: b.alloc(att.probs_len())?,
-                    atty: b.alloc(n * c)?,
-                    x2: b.alloc(n * c)?,
-                    ln2: b.alloc(n * c)?,
-                    ln2_mean: b.alloc(n)?,
-                    ln2_rstd: b.alloc(n)?,
-                    fch: b.alloc(n * 4 * c)?,
-                    fcg: b.alloc(n * 4 * c)?,
-                    out: b.alloc(n * c)?,
-                })
-            })
+        let count = self.spec.blocks(&self.config).len();
+        let blocks = if self.recompute {
+            Vec::new()
+        } else {
+            (0..count)
+                .map(|_| BlockActs::alloc(b, &self.config, shape))
+                .collect::<Result<Vec<_>, BackendError>>()?
+        };
+        let outs = (0..count)
+            .map(|_| b.alloc(n * c))
             .collect::<Result<Vec<_>, BackendError>>()?;
         let last = self.spec.is_last();
+        let mut values = (1 + count) * n * c + blocks.iter().map(|a| a.values(b)).sum::<usize>();
+        if last {
+            // The final norm's output, mean and rstd; the logits; the losses; the targets.
+            values += n * c + 2 * n + n * self.config.vocab + n + n;
+        }
+        if self.spec.is_first() {
+            values += n; // the token ids
+        }
         Ok(Saved {
             shape,
+            bytes: 4 * values as u64,
             tokens: None,
             targets: None,
             input: b.alloc(n * c)?,
+            outs,
             blocks,
             lnf: if last {
                 Some((b.alloc(n * c)?, b.alloc(n)?, b.alloc(n)?))
@@ -674,7 +899,16 @@ impl<B: Backend> Stage<B> {
         };
 
         let mut saved = self.alloc_saved(shape)?;
-        let result = self.forward_into(&mut saved, input, targets);
+        self.ensure_replay(shape)?;
+        self.account(saved.bytes);
+        let mut replay = self.replay.take();
+        let result = self.forward_into(
+            &mut saved,
+            replay.as_mut().map(|r| &mut r.1),
+            input,
+            targets,
+        );
+        self.replay = replay;
         match result {
             Ok(out) => {
                 self.in_flight.insert(id, saved);
@@ -687,9 +921,12 @@ impl<B: Backend> Stage<B> {
         }
     }
 
+    /// `replay`: the one block's buffers that every block computes into where the stage
+    /// recomputes activations in the backward pass (`s` then keeps block outputs only).
     fn forward_into(
         &self,
         s: &mut Saved<B>,
+        mut replay: Option<&mut BlockActs<B>>,
         input: StageInput<'_>,
         targets: Option<&[u32]>,
     ) -> Result<StageOutput, StageError> {
@@ -721,77 +958,15 @@ impl<B: Backend> Stage<B> {
         s.targets = targets.map(|t| b.upload_tokens(t)).transpose()?;
 
         for (i, p) in self.params.blocks.iter().enumerate() {
-            let (before, rest) = s.blocks.split_at_mut(i);
-            let a = &mut rest[0];
-            let x = if i == 0 { &s.input } else { &before[i - 1].out };
-            b.layernorm_forward(
-                &mut a.ln1,
-                &mut a.ln1_mean,
-                &mut a.ln1_rstd,
-                x,
-                &p.ln1_w,
-                &p.ln1_b,
-                rows,
-            )?;
-            b.matmul_forward(
-                &mut a.qkv,
-                &a.ln1,
-                &p.qkv_w,
-                Some(&p.qkv_b),
-                MatmulShape {
-                    rows: n,
-                    input: c,
-                    output: 3 * c,
-                },
-            )?;
-            b.attention_forward(&mut a.atty, &mut a.probs, &a.qkv, att)?;
-            b.matmul_forward(
-                &mut a.x2,
-                &a.atty,
-                &p.attn_proj_w,
-                Some(&p.attn_proj_b),
-                MatmulShape {
-                    rows: n,
-                    input: c,
-                    output: c,
-                },
-            )?;
-            b.add_assign(&mut a.x2, x)?;
-            b.layernorm_forward(
-                &mut a.ln2,
-                &mut a.ln2_mean,
-                &mut a.ln2_rstd,
-                &a.x2,
-                &p.ln2_w,
-                &p.ln2_b,
-                rows,
-            )?;
-            b.matmul_forward(
-                &mut a.fch,
-                &a.ln2,
-                &p.fc_w,
-                Some(&p.fc_b),
-                MatmulShape {
-                    rows: n,
-                    input: c,
-                    output: 4 * c,
-                },
-            )?;
-            b.gelu_forward(&mut a.fcg, &a.fch)?;
-            b.matmul_forward(
-                &mut a.out,
-                &a.fcg,
-                &p.fc_proj_w,
-                Some(&p.fc_proj_b),
-                MatmulShape {
-                    rows: n,
-                    input: 4 * c,
-                    output: c,
-                },
-            )?;
-            b.add_assign(&mut a.out, &a.x2)?;
+            let (before, rest) = s.outs.split_at_mut(i);
+            let x = if i == 0 { &s.input } else { &before[i - 1] };
+            let acts = match replay.as_deref_mut() {
+                Some(one) => one,
+                None => &mut s.blocks[i],
+            };
+            acts.forward(b, p, x, Some(&mut rest[0]), rows, att)?;
         }
-        let x = s.blocks.last().map_or(&s.input, |a| &a.out);
+        let x = s.outs.last().unwrap_or(&s.input);
 
         if !self.spec.is_last() {
             let mut host = vec![0.0; n * c];
@@ -868,15 +1043,34 @@ impl<B: Backend> Stage<B> {
         result
     }
 
-    fn ensure_scratch(&mut self, shape: MicrobatchShape) -> Result<(), BackendError> {
+    /// Where recomputing, one block's activation buffers for `shape`.
+    fn ensure_replay(&mut self, shape: MicrobatchShape) -> Result<(), BackendError> {
+        let blocks = self.spec.blocks(&self.config).len();
+        if !self.recompute || blocks == 0 || self.replay.as_ref().is_some_and(|r| r.0 == shape) {
+            return Ok(());
+        }
+        self.replay = None;
+        self.replay = Some((
+            shape,
+            BlockActs::alloc(&*self.backend, &self.config, shape)?,
+        ));
+        Ok(())
+    }
+
+    /// The backward pass's workspace for `shape` (`pending`: the bytes of the microbatch being
+    /// run backward, out of the in-flight map meanwhile).
+    fn ensure_scratch(&mut self, shape: MicrobatchShape, pending: u64) -> Result<(), BackendError> {
         if self.scratch.as_ref().is_some_and(|s| s.shape == shape) {
             return Ok(());
         }
         let b = &*self.backend;
         let (n, c) = (shape.tokens(), self.config.width);
         let probs = shape.batch * self.config.heads * shape.seq * shape.seq;
+        // A scratch of another shape is dropped first: the two are never held together.
+        self.scratch = None;
         self.scratch = Some(Scratch {
             shape,
+            bytes: 4 * (n * c * 3 + n * 3 * c + probs + 2 * n * 4 * c) as u64,
             dres: b.alloc(n * c)?,
             dln: b.alloc(n * c)?,
             datty: b.alloc(n * c)?,
@@ -885,6 +1079,7 @@ impl<B: Backend> Stage<B> {
             dfch: b.alloc(n * 4 * c)?,
             dfcg: b.alloc(n * 4 * c)?,
         });
+        self.account(pending);
         Ok(())
     }
 
@@ -894,7 +1089,8 @@ impl<B: Backend> Stage<B> {
         grad_output: Option<&[f32]>,
         loss_scale: f32,
     ) -> Result<Option<Vec<f32>>, StageError> {
-        self.ensure_scratch(s.shape)?;
+        self.ensure_replay(s.shape)?;
+        self.ensure_scratch(s.shape, s.bytes)?;
         let Stage {
             backend,
             config,
@@ -902,6 +1098,7 @@ impl<B: Backend> Stage<B> {
             params,
             grads,
             scratch,
+            replay,
             ..
         } = self;
         let Some(sc) = scratch.as_mut() else {
@@ -911,7 +1108,7 @@ impl<B: Backend> Stage<B> {
         let (n, c) = (s.shape.tokens(), config.width);
         let rows = RowShape { rows: n, width: c };
         let att = attention_shape(config, s.shape);
-        let x_last = s.blocks.last().map_or(&s.input, |a| &a.out);
+        let x_last = s.outs.last().unwrap_or(&s.input);
 
         if spec.is_last() {
             let (Some((lnf, mean, rstd)), Some(probs), Some(targets)) =
@@ -974,11 +1171,13 @@ impl<B: Backend> Stage<B> {
             .enumerate()
             .rev()
         {
-            let a = &s.blocks[i];
-            let x = if i == 0 {
-                &s.input
-            } else {
-                &s.blocks[i - 1].out
+            let x = if i == 0 { &s.input } else { &s.outs[i - 1] };
+            let a = match replay.as_mut() {
+                Some((_, one)) => {
+                    one.forward(b, p, x, None, rows, att)?;
+                    &*one
+                }
+                None => &s.blocks[i],
             };
             b.matmul_backward(
                 &mut sc.dfcg,

@@ -193,6 +193,10 @@ pub struct RunArgs {
     /// The peer measures, announces and is routed by the throughput it really gives.
     #[arg(long, default_value = "1", value_parser = fraction)]
     pub duty_cycle: f32,
+    /// Keep only each block's input for the backward pass and compute the rest again there:
+    /// less device memory for a block's forward pass more compute, same gradients.
+    #[arg(long)]
+    pub recompute: bool,
     /// Caps the upload that serving this stage's state to joining peers takes, in megabytes
     /// per second (chunks leave one after another at that rate); by default as fast as the
     /// link goes. Joiners pull from several replicas at once, so a capped one serves less.
@@ -216,6 +220,11 @@ pub struct RunArgs {
     pub behavior_from: f64,
     #[command(flatten)]
     pub device: DeviceArgs,
+    /// The device memory a stage may use, e.g. `8GB` or `7.5GiB` (default: what the device
+    /// reports: a CUDA device's memory, the host's for the CPU; wgpu cannot tell, so state it
+    /// there). The swarm gives this peer only stages that fit.
+    #[arg(long, value_parser = bytes)]
+    pub device_memory: Option<u64>,
     /// The key file of this peer's identity (created on first run, owner-only).
     #[arg(long)]
     pub identity: Option<PathBuf>,
@@ -333,6 +342,42 @@ fn positive(s: &str) -> Result<usize, String> {
     }
 }
 
+/// A size in bytes: a number with an optional unit, decimal (`kB`, `MB`, `GB`, `TB`) or
+/// binary (`KiB`, `MiB`, `GiB`, `TiB`); the `B` may be left out (`8G`, `512Mi`).
+pub(crate) fn bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let not_a_size = || format!("'{s}' is not a positive size such as 8GB or 512MiB");
+    if number.is_empty() {
+        return Err(not_a_size());
+    }
+    let scale: f64 = match unit.trim().to_ascii_lowercase().trim_end_matches('b') {
+        "" => 1.0,
+        "k" => 1e3,
+        "m" => 1e6,
+        "g" => 1e9,
+        "t" => 1e12,
+        "ki" => 1024.0,
+        "mi" => 1024.0 * 1024.0,
+        "gi" => 1024.0 * 1024.0 * 1024.0,
+        "ti" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => {
+            return Err(format!(
+                "'{s}': unknown unit (use B, kB, MB, GB, TB, KiB, MiB, GiB)"
+            ));
+        }
+    };
+    match number.parse::<f64>() {
+        Ok(x) if x > 0.0 && (x * scale).is_finite() && x * scale < u64::MAX as f64 => {
+            Ok((x * scale).round() as u64)
+        }
+        _ => Err(not_a_size()),
+    }
+}
+
 fn fraction(s: &str) -> Result<f32, String> {
     match s.parse::<f32>() {
         Ok(x) if x > 0.0 && x <= 1.0 => Ok(x),
@@ -383,6 +428,10 @@ pub struct TrainArgs {
     /// trains its own copy of the tied embedding).
     #[arg(long, value_enum, default_value = "joint")]
     pub coupling: CouplingArg,
+    /// Keep only each block's input for the backward pass and compute the rest again there:
+    /// less device memory for a block's forward pass more compute, same gradients.
+    #[arg(long)]
+    pub recompute: bool,
     /// Replicas training together, each on its share of every step's batch and its own data
     /// shard, agreeing as a swarm's replicas do (see --sync). With more than one replica, a
     /// DiLoCo sync or any codec other than fp32, training follows the swarm's arithmetic
@@ -490,5 +539,26 @@ impl DiLoCoArgs {
             anyhow::anyhow!("{e} (--diloco-h, --outer-lr, --outer-momentum, --feedback-decay)")
         })?;
         Ok(sync)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bytes;
+
+    #[test]
+    fn sizes_parse_in_decimal_and_binary_units() {
+        assert_eq!(bytes("8GB"), Ok(8_000_000_000));
+        assert_eq!(bytes("8g"), Ok(8_000_000_000));
+        assert_eq!(
+            bytes("7.5GiB"),
+            Ok(7.5 * (1u64 << 30) as f64).map(|x| x as u64)
+        );
+        assert_eq!(bytes("512Mi"), Ok(512 << 20));
+        assert_eq!(bytes("1000"), Ok(1000));
+        assert_eq!(bytes(" 2 kB "), Ok(2000));
+        for bad in ["", "GB", "0", "-1GB", "8XB", "1e400", "NaN"] {
+            assert!(bytes(bad).is_err(), "{bad}");
+        }
     }
 }

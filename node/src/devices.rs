@@ -3,15 +3,8 @@
 use crate::bench::measure;
 use crate::cli::DevicesArgs;
 use shoal_compute::AnyBackend;
+use shoal_compute::memory::host_memory;
 use std::sync::Arc;
-
-/// Total memory of this machine from /proc/meminfo, where there is one.
-fn host_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
 
 fn gib(bytes: u64) -> String {
     format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
@@ -64,7 +57,8 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<()> {
         }
         for a in adapters {
             println!(
-                "wgpu adapter {}: {} ({}, {}, {}), driver {}, largest buffer {}, {} (backend `wgpu --device {}`)",
+                "wgpu adapter {}: {} ({}, {}, {}), driver {}, memory unknown to wgpu (state it with \
+                 --device-memory), largest buffer {}, {} (backend `wgpu --device {}`)",
                 a.index,
                 a.name,
                 a.vendor,

@@ -12,3 +12,8 @@ pub fn write_json(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
     shoal_compute::write_atomic(path, &bytes)
         .with_context(|| format!("cannot write report {}", path.display()))
 }
+
+/// `bytes` for a person to read: "12.3 MB".
+pub fn megabytes(bytes: u64) -> String {
+    format!("{:.1} MB", bytes as f64 / 1e6)
+}

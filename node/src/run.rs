@@ -24,6 +24,7 @@ use shoal_worker::{StageWorker, model_of, stage_costs};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -87,6 +88,8 @@ struct Worker {
     checkpoint_dir: Option<PathBuf>,
     /// Rest after each job for its duration times this (0: never rest; `--duty-cycle`).
     rest_per_busy: f64,
+    /// The most device memory a stage of this peer held (bytes), for the report.
+    memory_peak: Arc<AtomicU64>,
 }
 
 impl Worker {
@@ -98,7 +101,14 @@ impl Worker {
                     error: format!("{e:#}"),
                 },
             },
-            job => self.stage.run(job),
+            job => {
+                let done = self.stage.run(job);
+                if let Some(r) = self.stage.replica() {
+                    let peak = r.stage().memory().peak.total();
+                    self.memory_peak.fetch_max(peak, Ordering::Relaxed);
+                }
+                done
+            }
         }
     }
 
@@ -341,12 +351,26 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     }
     let backend = Arc::new(args.device.open()?);
     let backend_name = shoal_compute::Backend::name(&*backend);
-    println!("compute: {backend_name}");
+    let device_memory = args.device_memory.or_else(|| backend.memory_capacity());
+    match device_memory {
+        Some(bytes) => println!("compute: {backend_name}, {}", report::megabytes(bytes)),
+        None => println!(
+            "compute: {backend_name}, memory unknown (--device-memory states it; until then \
+             this peer may be given a stage its device cannot hold)"
+        ),
+    }
+    let memory_peak = Arc::new(AtomicU64::new(0));
     let mut worker = Worker {
-        stage: StageWorker::new(config.clone(), backend, corpus).map_err(anyhow::Error::msg)?,
+        stage: {
+            let mut w =
+                StageWorker::new(config.clone(), backend, corpus).map_err(anyhow::Error::msg)?;
+            w.set_recompute(args.recompute);
+            w
+        },
         config: config.clone(),
         checkpoint_dir: args.checkpoint_dir.clone(),
         rest_per_busy: 1.0 / f64::from(args.duty_cycle) - 1.0,
+        memory_peak: memory_peak.clone(),
     };
     let mut resume = None;
     if let Some(c) = checkpoint {
@@ -395,6 +419,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         seed,
     ));
     peer.set_routing(args.routing);
+    if let Some(bytes) = device_memory {
+        peer.set_memory(bytes);
+    }
     peer.set_state_upload_limit(args.state_upload_limit.map(|mb| f64::from(mb) * 1e6));
     if let Some(stage) = args.stage {
         peer.set_first_stage(stage);
@@ -709,6 +736,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             boundary_codecs: tally.boundary_codecs,
             stage_history: tally.stage_history,
             step_samples: tally.step_samples,
+            device_memory_peak_bytes: memory_peak.load(Ordering::Relaxed),
         };
         report::write_json(path, &report)?;
     }

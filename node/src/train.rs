@@ -7,7 +7,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use shoal_compute::data::TextCorpus;
 use shoal_compute::{
-    AdamW, AnyBackend, Corpus, DataLoader, LocalPipeline, LrSchedule, Shard, StageSpec,
+    AdamW, AnyBackend, Corpus, DataLoader, LocalPipeline, LrSchedule, MemoryUse, Shard, StageSpec,
 };
 use shoal_protocol::Codec;
 use shoal_protocol::swarm::SyncMode;
@@ -46,6 +46,10 @@ pub struct TrainReport {
     pub tokens_per_s: f64,
     pub seconds: f64,
     pub loss_curve: Vec<(usize, f64)>,
+    /// The most device memory each stage held (bytes; with replicas, replica 0's stages),
+    /// and by kind at that moment.
+    pub device_memory_peak_bytes: Vec<u64>,
+    pub device_memory_peak: Vec<MemoryUse>,
     /// Replicas, and how they were kept together and what they sent (`--replicas`, `--sync`
     /// and the codecs; absent for one model trained alone).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -160,15 +164,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         ]
         .iter()
         .any(|c| *c != Codec::Fp32);
-    let pipeline = || {
-        LocalPipeline::new(
+    let pipeline = || -> anyhow::Result<LocalPipeline<AnyBackend>> {
+        let mut p = LocalPipeline::new(
             backend.clone(),
             config,
             args.stages,
             args.seed,
             AdamW::default(),
             schedule,
-        )
+        )?;
+        p.set_recompute(args.recompute)?;
+        Ok(p)
     };
     if args.replicas > args.batch {
         bail!(
@@ -252,6 +258,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         .sum::<f64>()
         / window as f64;
     let tokens_per_s = tokens as f64 / seconds.max(1e-9);
+    // Training's peak, before the held-out evaluation allocates for its larger batches.
+    let memory: Vec<MemoryUse> = trainer
+        .pipeline()
+        .stages()
+        .iter()
+        .map(|s| s.memory().peak)
+        .collect();
     let held_out_loss = {
         const EVAL_BATCH: usize = 32;
         let mut sum = 0.0;
@@ -280,6 +293,14 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             final_loss - floor
         );
     }
+    println!(
+        "device memory at its peak, by stage: {}",
+        memory
+            .iter()
+            .map(|m| report::megabytes(m.total()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     let swarm = match &trainer {
         Trainer::Swarm(r) => {
             let Traffic { bytes, fp32_bytes } = r.traffic();
@@ -322,6 +343,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             tokens_per_s,
             seconds,
             loss_curve,
+            device_memory_peak_bytes: memory.iter().map(MemoryUse::total).collect(),
+            device_memory_peak: memory,
             swarm,
         };
         report::write_json(path, &report)?;

@@ -78,6 +78,8 @@ fn bad_input_gives_one_line_and_nonzero_exit() {
     assert_clean_failure(&["train", "--steps=-3"], "not a positive whole number");
     assert_clean_failure(&["train", "--stages", "5"], "cannot cut");
     assert_clean_failure(&["bench", "compute", "--batch", "0"], "at least 1");
+    assert_clean_failure(&["run", "--device-memory", "8XB"], "unknown unit");
+    assert_clean_failure(&["run", "--device-memory=-1GB"], "not a positive size");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -125,6 +127,14 @@ fn a_short_run_writes_a_complete_report() {
     assert_eq!(json["tokens"], 4 * 2 * 64);
     assert_eq!(json["loss_curve"].as_array().unwrap().len(), 4);
     assert!(json["loss_floor"].as_f64().unwrap() > 0.5);
+    // Each stage held what the plan says for one microbatch of 2 x 64 in flight.
+    let peaks = json["device_memory_peak_bytes"].as_array().unwrap();
+    assert_eq!(peaks.len(), 2);
+    for (index, peak) in peaks.iter().enumerate() {
+        let spec = shoal_compute::StageSpec { index, count: 2 };
+        let plan = spec.device_memory_bytes(&shoal_compute::Preset::Nano.config(), 2, 64, 1, false);
+        assert_eq!(peak.as_u64(), Some(plan), "stage {index}: {text}");
+    }
 
     // A text file trains too, and has no known floor.
     let text_file = dir.join("text.txt");

@@ -195,6 +195,10 @@ fn verify(reports: &[(usize, Value)], run_id: &str) {
                 .push(pair[1].as_u64().unwrap());
         }
         assert!(r["steps"].as_u64().unwrap() > 0, "p{i} took steps: {r}");
+        assert!(
+            r["device_memory_peak_bytes"].as_u64().unwrap() > 0,
+            "p{i} held a stage: {r}"
+        );
         assert_eq!(
             r["violations"], 0,
             "p{i}: honest peers break no rule: {}",

@@ -74,8 +74,9 @@ pub fn stage_costs(config: &RunConfig, model: &ModelConfig, timing: &Timing) -> 
             .iter()
             .map(|s| {
                 let rows = config.microbatch as usize;
-                s.train_memory_bytes(model, rows, seq, 1)
-                    - s.train_memory_bytes(model, rows, seq, 0)
+                // The backward pass's workspace comes with the first microbatch only.
+                s.device_memory_bytes(model, rows, seq, 2, false)
+                    - s.device_memory_bytes(model, rows, seq, 1, false)
             })
             .collect(),
         param_scale: 1,
@@ -90,6 +91,8 @@ pub struct StageWorker<B: Backend = CpuBackend> {
     backend: Arc<B>,
     corpus: Option<Corpus>,
     replica: Option<StageReplica<B>>,
+    /// Stages recompute activations in the backward pass (see [`Stage::set_recompute`]).
+    recompute: bool,
 }
 
 impl<B: Backend> StageWorker<B> {
@@ -103,7 +106,14 @@ impl<B: Backend> StageWorker<B> {
             backend,
             corpus,
             replica: None,
+            recompute: false,
         })
+    }
+
+    /// Every stage built from now on recomputes activations in the backward pass rather than
+    /// keep them (`shoal run --recompute`).
+    pub fn set_recompute(&mut self, recompute: bool) {
+        self.recompute = recompute;
     }
 
     /// A fresh replica of `stage`, initialised from the run's seed.
@@ -113,7 +123,7 @@ impl<B: Backend> StageWorker<B> {
             count: self.config.stages as usize,
         };
         let schedule = LrSchedule::for_steps(self.config.lr, self.config.max_steps);
-        StageReplica::new(
+        let mut r = StageReplica::new(
             self.backend.clone(),
             self.model,
             spec,
@@ -121,7 +131,9 @@ impl<B: Backend> StageWorker<B> {
             AdamW::default(),
             schedule,
         )
-        .map_err(err)
+        .map_err(err)?;
+        r.set_recompute(self.recompute).map_err(err)?;
+        Ok(r)
     }
 
     /// Installs `stage` restored from an exported state; returns its parameter hash.

@@ -224,6 +224,18 @@ impl AnyBackend {
     pub fn is_cpu(&self) -> bool {
         matches!(self, AnyBackend::Cpu(_))
     }
+
+    /// The device's memory, bytes, where its API tells: a CUDA device's, the host's for the
+    /// CPU; wgpu has no such query (its adapters report their largest buffer only).
+    pub fn memory_capacity(&self) -> Option<u64> {
+        match self {
+            AnyBackend::Cpu(_) => crate::memory::host_memory(),
+            #[cfg(feature = "cuda")]
+            AnyBackend::Cuda(b) => Some(b.memory()),
+            #[cfg(feature = "wgpu")]
+            AnyBackend::Wgpu(_) => None,
+        }
+    }
 }
 
 impl Backend for AnyBackend {

@@ -99,6 +99,17 @@ macro_rules! agreement_tests {
             agreement::check_stage(b, Preset::Nano, StageSpec::WHOLE);
         }
 
+        /// Recomputing activations in the backward pass changes nothing beyond rounding.
+        #[test]
+        $(#[$attr])*
+        fn stages_recomputing_activations_agree() {
+            let Some(b) = $get() else { return };
+            for index in 0..3 {
+                let spec = StageSpec { index, count: 3 };
+                agreement::check_stage_with(b.clone(), Preset::Nano, spec, true);
+            }
+        }
+
         #[test]
         $(#[$attr])*
         fn micro_stages_agree() {
@@ -333,11 +344,18 @@ pub fn cross_entropy<B: Backend>(b: &B) -> Vec<Vec<f32>> {
 
 pub const LR: f32 = 1e-3;
 
-/// Forward, backward and one AdamW step of stage `spec` of `preset`: the output (activations
-/// or loss), the input gradient, the parameter gradients and the parameters after the step.
-pub fn stage_step<B: Backend>(backend: Arc<B>, preset: Preset, spec: StageSpec) -> Vec<Vec<f32>> {
+/// Forward, backward and one AdamW step of stage `spec` of `preset` (`recompute`: activations
+/// recomputed in the backward pass): the output (activations or loss), the input gradient,
+/// the parameter gradients and the parameters after the step.
+pub fn stage_step<B: Backend>(
+    backend: Arc<B>,
+    preset: Preset,
+    spec: StageSpec,
+    recompute: bool,
+) -> Vec<Vec<f32>> {
     let config = preset.config();
     let mut stage = Stage::new(backend, config, spec, 42).unwrap();
+    stage.set_recompute(recompute).unwrap();
     let shape = MicrobatchShape { batch: 2, seq: 32 };
     let rows = shape.batch * shape.seq;
     let toks = tokens(32, rows, config.vocab as u32);
@@ -364,8 +382,19 @@ pub fn stage_step<B: Backend>(backend: Arc<B>, preset: Preset, spec: StageSpec) 
 }
 
 pub fn check_stage<B: Backend>(backend: Arc<B>, preset: Preset, spec: StageSpec) {
-    let reference = stage_step(Arc::new(cpu()), preset, spec);
-    let other = stage_step(backend, preset, spec);
+    check_stage_with(backend, preset, spec, false);
+}
+
+/// [`check_stage`], the backend recomputing activations in the backward pass or not (the
+/// reference keeps them).
+pub fn check_stage_with<B: Backend>(
+    backend: Arc<B>,
+    preset: Preset,
+    spec: StageSpec,
+    recompute: bool,
+) {
+    let reference = stage_step(Arc::new(cpu()), preset, spec, false);
+    let other = stage_step(backend, preset, spec, recompute);
     let names = ["output", "input gradient", "parameter gradients"];
     for (i, name) in names.iter().enumerate() {
         let d = rel_diff(&reference[i], &other[i]);

@@ -51,4 +51,7 @@ pub(super) struct RunReport {
     pub(super) stage_history: Vec<u32>,
     /// Samples averaged in each step this peer took.
     pub(super) step_samples: Vec<f64>,
+    /// The most device memory a stage of this peer held, bytes (the stages it served
+    /// counted one at a time).
+    pub(super) device_memory_peak_bytes: u64,
 }

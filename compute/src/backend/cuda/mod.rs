@@ -105,6 +105,8 @@ pub struct CudaBackend {
     blas: CudaBlas,
     kernels: Vec<(&'static str, CudaFunction)>,
     name: String,
+    /// The device's memory, bytes.
+    memory: u64,
 }
 
 fn grid(groups: usize) -> LaunchConfig {
@@ -156,6 +158,7 @@ impl CudaBackend {
         }
         let ctx = CudaContext::new(ordinal).map_err(cuda_error)?;
         let name = ctx.name().map_err(cuda_error)?;
+        let memory = ctx.total_mem().map_err(cuda_error)? as u64;
         let stream = ctx.default_stream();
         let ptx = compile_kernels()?;
         let module = ctx.load_module(ptx).map_err(cuda_error)?;
@@ -170,7 +173,13 @@ impl CudaBackend {
             blas,
             kernels,
             name,
+            memory,
         })
+    }
+
+    /// The device's memory, bytes.
+    pub fn memory(&self) -> u64 {
+        self.memory
     }
 
     /// Number of CUDA devices (0 where the driver is missing).
