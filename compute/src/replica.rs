@@ -70,6 +70,10 @@ pub struct StageReplica<B: Backend> {
     /// not hold a parameter-sized buffer of zeros and the first commit costs no addition.
     accumulator: Vec<f32>,
     accumulated_samples: f64,
+    /// AdamW's moments: the step runs on the host (see [`StageReplica::apply_step`]), so they
+    /// live there and the device holds parameters and gradients only.
+    adam_m: Vec<f32>,
+    adam_v: Vec<f32>,
     /// Parameters at the start of the current DiLoCo outer round.
     anchor: Vec<f32>,
     /// DiLoCo outer momentum; empty until the first outer step (it is zero until then).
@@ -87,9 +91,11 @@ impl<B: Backend> StageReplica<B> {
         optimizer: AdamW,
         schedule: LrSchedule,
     ) -> Result<Self, StageError> {
-        let stage = Stage::new(backend, config, spec, seed)?;
+        let stage = Stage::new_stepped_on_host(backend, config, spec, seed)?;
         let anchor = stage.download_params()?;
         Ok(StageReplica {
+            adam_m: vec![0.0; anchor.len()],
+            adam_v: vec![0.0; anchor.len()],
             stage,
             optimizer,
             schedule,
@@ -232,8 +238,8 @@ impl<B: Backend> StageReplica<B> {
     /// The step runs on the host, in one fixed order of f32 operations, whatever the backend:
     /// replicas on different backends (a GPU's fused multiply-adds and reduction order differ
     /// from the CPU's) then take bit-identical steps from identical inputs, so their parameter
-    /// hashes keep agreeing. It costs a download and an upload of the parameters and AdamW's
-    /// moments per step, the size of the averaging traffic a step already carries.
+    /// hashes keep agreeing. AdamW's moments live on the host for it; a step costs a download
+    /// and an upload of the parameters, less than the averaging traffic a step carries.
     ///
     /// Gradients still pending were computed on the old parameters; the caller decides
     /// whether they may still be committed.
@@ -251,7 +257,7 @@ impl<B: Backend> StageReplica<B> {
         let lr = self.schedule.lr(step);
         let scale = self.optimizer.clip_scale(grad_norm);
         let mut params = self.stage.download_params()?;
-        let (mut m, mut v) = self.stage.download_optimizer_state()?;
+        let (m, v) = (&mut self.adam_m, &mut self.adam_v);
         let mut at = 0;
         for info in self.stage.tensors() {
             let range = at..at + info.len;
@@ -269,7 +275,7 @@ impl<B: Backend> StageReplica<B> {
             );
         }
         self.stage.upload_params(&params)?;
-        self.stage.upload_optimizer_state(&m, &v, step + 1)?;
+        self.stage.set_optimizer_steps(step + 1);
         Ok(hash_f32s(&params))
     }
 
@@ -323,10 +329,15 @@ impl<B: Backend> StageReplica<B> {
     /// Whether every parameter and optimizer value this replica holds is finite.
     pub fn all_finite(&self) -> Result<bool, StageError> {
         let params = self.stage.download_params()?;
-        let (m, v) = self.stage.download_optimizer_state()?;
-        Ok([&params, &m, &v, &self.anchor, &self.outer_momentum]
-            .iter()
-            .all(|s| s.iter().all(|x| x.is_finite())))
+        Ok([
+            &params,
+            &self.adam_m,
+            &self.adam_v,
+            &self.anchor,
+            &self.outer_momentum,
+        ]
+        .iter()
+        .all(|s| s.iter().all(|x| x.is_finite())))
     }
 
     /// The whole replica state as bytes, for a joining peer or a checkpoint. Pending and
@@ -339,11 +350,11 @@ impl<B: Backend> StageReplica<B> {
     /// momentum; finally the xxh3-64 of all preceding bytes.
     pub fn export_state(&self) -> Result<Vec<u8>, StageError> {
         let params = self.stage.download_params()?;
-        let (m, v) = self.stage.download_optimizer_state()?;
+        let (m, v) = (&self.adam_m, &self.adam_v);
         let spec = self.spec();
         let cfg = self.stage.config();
         let has_momentum = !self.outer_momentum.is_empty();
-        let mut sections = vec![&params, &m, &v, &self.anchor];
+        let mut sections = vec![&params, m, v, &self.anchor];
         if has_momentum {
             sections.push(&self.outer_momentum);
         }
@@ -473,7 +484,9 @@ impl<B: Backend> StageReplica<B> {
 
         self.stage.discard_all();
         self.stage.upload_params(&params)?;
-        self.stage.upload_optimizer_state(&m, &v, steps)?;
+        self.stage.set_optimizer_steps(steps);
+        self.adam_m = m;
+        self.adam_v = v;
         self.stage.zero_grads()?;
         self.pending.clear();
         self.committed.clear();

@@ -24,6 +24,16 @@ use std::ops::Range;
 use std::sync::Arc;
 use thiserror::Error;
 
+/// Where a stage keeps what training needs, for [`StageSpec::device_memory_bytes`]; the
+/// default is what [`Stage::new`] builds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Residency {
+    /// Activations recomputed in the backward pass ([`Stage::set_recompute`]).
+    pub recompute: bool,
+    /// AdamW's moments on the host ([`Stage::new_stepped_on_host`]).
+    pub moments_on_host: bool,
+}
+
 /// Identifies one microbatch while it is in flight through the pipeline.
 pub type MicrobatchId = u64;
 
@@ -75,10 +85,11 @@ impl StageSpec {
         3.0 * (2.0 * weights as f64 + attention as f64) * seq as f64
     }
 
-    /// Memory (bytes) to train this stage: what the device holds ([`Self::device_memory_bytes`],
-    /// activations kept) plus a DiLoCo anchor and outer momentum, two fp32 copies of the
-    /// parameters that the replica keeps in host memory (counted so that a stage chosen by
-    /// this figure fits in either mode on a device that shares memory with the host).
+    /// Memory (bytes) to train this stage as a swarm replica, wherever it is held:
+    /// parameters, gradients and activations on the device ([`Self::device_memory_bytes`]),
+    /// AdamW's moments and a DiLoCo anchor and outer momentum, four fp32 copies of the
+    /// parameters, on the host. Stage choice counts them all, so that a stage it gives a
+    /// device fits also where device and host share memory (integrated GPUs, the CPU).
     pub fn train_memory_bytes(
         &self,
         config: &ModelConfig,
@@ -86,34 +97,39 @@ impl StageSpec {
         seq: usize,
         in_flight: usize,
     ) -> u64 {
-        self.device_memory_bytes(config, rows, seq, in_flight, false)
-            + 8 * self.param_count(config) as u64
+        let held = Residency {
+            recompute: false,
+            moments_on_host: true,
+        };
+        self.device_memory_bytes(config, rows, seq, in_flight, held)
+            + 16 * self.param_count(config) as u64
     }
 
     /// Device memory (bytes) a [`Stage`] of this spec holds at most with `in_flight`
-    /// microbatches of `rows` x `seq` tokens awaiting their backward pass: parameters,
-    /// gradients and two AdamW moments, the activations each microbatch keeps and the
-    /// backward pass's workspace. A block's activations are 15 width-sized values, 4
-    /// per-token statistics and the attention matrix per token, and its output; with
-    /// `recompute` ([`Stage::set_recompute`]) a microbatch keeps only the outputs, and one
-    /// block's activations are workspace. The last stage adds the logits. What
-    /// [`crate::memory::StageMemory::peak`] measures, exactly.
+    /// microbatches of `rows` x `seq` tokens awaiting their backward pass: parameters and
+    /// gradients (and AdamW's two moments unless `held.moments_on_host`), the activations
+    /// each microbatch keeps and the backward pass's workspace. A block's activations are 15
+    /// width-sized values, 4 per-token statistics and the attention matrix per token, and its
+    /// output; with `held.recompute` ([`Stage::set_recompute`]) a microbatch keeps only the
+    /// outputs, and one block's activations are workspace. The last stage adds the logits.
+    /// What [`crate::memory::StageMemory::peak`] measures, exactly.
     pub fn device_memory_bytes(
         &self,
         config: &ModelConfig,
         rows: usize,
         seq: usize,
         in_flight: usize,
-        recompute: bool,
+        held: Residency,
     ) -> u64 {
         let (c, heads, vocab) = (config.width, config.heads, config.vocab);
-        let state = 4 * self.param_count(config);
+        let copies = if held.moments_on_host { 2 } else { 4 };
+        let state = copies * self.param_count(config);
         let blocks = self.blocks(config).len();
         let tokens = rows * seq;
         let block_acts = tokens * (15 * c + 4 + heads * seq);
         let mut per_microbatch = tokens * c + blocks * tokens * c;
         let mut workspace = tokens * (14 * c + heads * seq);
-        if recompute {
+        if held.recompute {
             workspace += if blocks > 0 { block_acts } else { 0 };
         } else {
             per_microbatch += blocks * block_acts;
@@ -636,6 +652,12 @@ struct Scratch<B: Backend> {
     dfcg: B::Buffer,
 }
 
+/// AdamW's first and second moments on the device.
+type Moments<B> = (
+    StageTensors<<B as Backend>::Buffer>,
+    StageTensors<<B as Backend>::Buffer>,
+);
+
 /// One pipeline stage on a backend: parameters, gradients, AdamW state and the saved
 /// activations of in-flight microbatches.
 pub struct Stage<B: Backend> {
@@ -645,8 +667,9 @@ pub struct Stage<B: Backend> {
     info: StageTensors<TensorInfo>,
     params: StageTensors<B::Buffer>,
     grads: StageTensors<B::Buffer>,
-    adam_m: StageTensors<B::Buffer>,
-    adam_v: StageTensors<B::Buffer>,
+    /// AdamW's two moments on the device; None where the optimizer steps on the host and its
+    /// moments live there (see [`Stage::new_stepped_on_host`]).
+    moments: Option<Moments<B>>,
     optimizer_steps: u64,
     in_flight: HashMap<MicrobatchId, Saved<B>>,
     spare: Vec<Saved<B>>,
@@ -668,6 +691,28 @@ impl<B: Backend> Stage<B> {
         spec: StageSpec,
         seed: u64,
     ) -> Result<Self, StageError> {
+        Self::build(backend, config, spec, seed, true)
+    }
+
+    /// [`Stage::new`] for a caller that runs the optimizer step on the host and keeps AdamW's
+    /// moments there (a swarm replica: see `StageReplica::apply_step`): the device holds
+    /// parameters and gradients only, half the state, and a step moves no moments.
+    pub fn new_stepped_on_host(
+        backend: Arc<B>,
+        config: ModelConfig,
+        spec: StageSpec,
+        seed: u64,
+    ) -> Result<Self, StageError> {
+        Self::build(backend, config, spec, seed, false)
+    }
+
+    fn build(
+        backend: Arc<B>,
+        config: ModelConfig,
+        spec: StageSpec,
+        seed: u64,
+        device_moments: bool,
+    ) -> Result<Self, StageError> {
         config.validate().map_err(|reason| StageError::BadInput {
             stage: spec.index,
             reason,
@@ -677,8 +722,14 @@ impl<B: Backend> Stage<B> {
         let b = &*backend;
         let params = info.try_map(|i| b.upload(&initial_values(i, seed)))?;
         let grads = info.try_map(|i| b.alloc(i.len))?;
-        let adam_m = info.try_map(|i| b.alloc(i.len))?;
-        let adam_v = info.try_map(|i| b.alloc(i.len))?;
+        let moments = if device_moments {
+            Some((
+                info.try_map(|i| b.alloc(i.len))?,
+                info.try_map(|i| b.alloc(i.len))?,
+            ))
+        } else {
+            None
+        };
         let mut stage = Stage {
             backend,
             config,
@@ -686,8 +737,7 @@ impl<B: Backend> Stage<B> {
             info,
             params,
             grads,
-            adam_m,
-            adam_v,
+            moments,
             optimizer_steps: 0,
             in_flight: HashMap::new(),
             spare: Vec::new(),
@@ -742,7 +792,11 @@ impl<B: Backend> Stage<B> {
         self.memory.set(MemoryUse {
             parameters: tensors,
             gradients: tensors,
-            optimizer: 2 * tensors,
+            optimizer: if self.moments.is_some() {
+                2 * tensors
+            } else {
+                0
+            },
             activations: pending + saved.map(|s| s.bytes).sum::<u64>(),
             workspace: self.scratch.as_ref().map_or(0, |s| s.bytes)
                 + self
@@ -1350,6 +1404,12 @@ impl<B: Backend> Stage<B> {
         lr: f32,
         grad_scale: f32,
     ) -> Result<(), StageError> {
+        let Some((adam_m, adam_v)) = self.moments.as_mut() else {
+            return Err(StageError::BadInput {
+                stage: self.spec.index,
+                reason: "this stage's optimizer steps on the host".into(),
+            });
+        };
         self.optimizer_steps += 1;
         let b = &*self.backend;
         let tensors = self
@@ -1357,7 +1417,7 @@ impl<B: Backend> Stage<B> {
             .iter()
             .zip(self.params.iter_mut())
             .zip(self.grads.iter())
-            .zip(self.adam_m.iter_mut().zip(self.adam_v.iter_mut()));
+            .zip(adam_m.iter_mut().zip(adam_v.iter_mut()));
         for (((info, p), g), (m, v)) in tensors {
             let update = opt.update(lr, info.decay, self.optimizer_steps, grad_scale);
             b.adamw(p, g, m, v, &update)?;
@@ -1402,10 +1462,14 @@ impl<B: Backend> Stage<B> {
     /// AdamW's first and second moments, each in storage order and concatenated like
     /// [`Stage::download_params`].
     pub fn download_optimizer_state(&self) -> Result<(Vec<f32>, Vec<f32>), StageError> {
-        Ok((
-            self.download_all(&self.adam_m)?,
-            self.download_all(&self.adam_v)?,
-        ))
+        let (m, v) = self.device_moments()?;
+        Ok((self.download_all(m)?, self.download_all(v)?))
+    }
+
+    fn device_moments(&self) -> Result<&Moments<B>, StageError> {
+        self.moments
+            .as_ref()
+            .ok_or_else(|| self.bad_input("this stage's optimizer state is on the host"))
     }
 
     /// Overwrites AdamW's moments and its step count (which drives bias correction), e.g. to
@@ -1418,10 +1482,19 @@ impl<B: Backend> Stage<B> {
     ) -> Result<(), StageError> {
         self.check_flat_len(m.len())?;
         self.check_flat_len(v.len())?;
-        upload_all(&*self.backend, &self.info, &mut self.adam_m, m)?;
-        upload_all(&*self.backend, &self.info, &mut self.adam_v, v)?;
+        self.device_moments()?;
+        if let Some((adam_m, adam_v)) = self.moments.as_mut() {
+            upload_all(&*self.backend, &self.info, adam_m, m)?;
+            upload_all(&*self.backend, &self.info, adam_v, v)?;
+        }
         self.optimizer_steps = steps;
         Ok(())
+    }
+
+    /// Sets the optimizer's step count where the step runs on the host (see
+    /// [`Stage::new_stepped_on_host`]).
+    pub fn set_optimizer_steps(&mut self, steps: u64) {
+        self.optimizer_steps = steps;
     }
 
     fn check_flat_len(&self, len: usize) -> Result<(), StageError> {

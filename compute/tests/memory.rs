@@ -6,8 +6,8 @@
 
 use shoal_compute::stage::{MicrobatchShape, StageInput, StageOutput};
 use shoal_compute::{
-    AdamW, Corpus, CpuBackend, DataLoader, LocalPipeline, LrSchedule, MemoryUse, Preset, Shard,
-    Stage, StageSpec,
+    AdamW, Corpus, CpuBackend, DataLoader, LocalPipeline, LrSchedule, MemoryUse, Preset, Residency,
+    Shard, Stage, StageSpec,
 };
 use std::sync::Arc;
 
@@ -19,7 +19,7 @@ fn check(
     rows: usize,
     seq: usize,
     in_flight: usize,
-    recompute: bool,
+    held: Residency,
 ) {
     let config = preset.config();
     let backend = Arc::new(CpuBackend::new(2).unwrap());
@@ -29,20 +29,24 @@ fn check(
             index,
             count: stages,
         };
-        let mut stage = Stage::new(backend.clone(), config, spec, 3).unwrap();
-        stage.set_recompute(recompute).unwrap();
+        let mut stage = if held.moments_on_host {
+            Stage::new_stepped_on_host(backend.clone(), config, spec, 3).unwrap()
+        } else {
+            Stage::new(backend.clone(), config, spec, 3).unwrap()
+        };
+        stage.set_recompute(held.recompute).unwrap();
         let tensors = 4 * spec.param_count(&config) as u64;
         let built = MemoryUse {
             parameters: tensors,
             gradients: tensors,
-            optimizer: 2 * tensors,
+            optimizer: if held.moments_on_host { 0 } else { 2 * tensors },
             activations: 0,
             workspace: 0,
         };
         assert_eq!(stage.memory().now, built);
         assert_eq!(stage.memory().peak, built);
         assert_eq!(
-            spec.device_memory_bytes(&config, rows, seq, 0, recompute),
+            spec.device_memory_bytes(&config, rows, seq, 0, held),
             built.total()
         );
 
@@ -77,7 +81,7 @@ fn check(
         assert!(memory.now.workspace > 0);
         assert_eq!(memory.peak, memory.now, "nothing was freed");
         assert_eq!(
-            spec.device_memory_bytes(&config, rows, seq, in_flight, recompute),
+            spec.device_memory_bytes(&config, rows, seq, in_flight, held),
             memory.peak.total(),
             "stage {index} of {stages}: {memory:?}"
         );
@@ -95,14 +99,24 @@ fn check(
 #[test]
 fn a_stage_holds_what_the_plan_says() {
     for recompute in [false, true] {
-        check(Preset::Nano, 3, 2, 32, 3, recompute);
-        check(Preset::Nano, 1, 4, 16, 1, recompute);
-        check(Preset::Micro, 2, 1, 64, 2, recompute);
+        for moments_on_host in [false, true] {
+            let held = Residency {
+                recompute,
+                moments_on_host,
+            };
+            check(Preset::Nano, 3, 2, 32, 3, held);
+            check(Preset::Nano, 1, 4, 16, 1, held);
+            check(Preset::Micro, 2, 1, 64, 2, held);
+        }
     }
     // What recomputation saves where activations dominate: a stage of micro with 8 in flight.
     let (config, spec) = (Preset::Micro.config(), StageSpec { index: 1, count: 3 });
-    let kept = spec.device_memory_bytes(&config, 8, 128, 8, false);
-    let recomputed = spec.device_memory_bytes(&config, 8, 128, 8, true);
+    let kept = spec.device_memory_bytes(&config, 8, 128, 8, Residency::default());
+    let recompute = Residency {
+        recompute: true,
+        ..Residency::default()
+    };
+    let recomputed = spec.device_memory_bytes(&config, 8, 128, 8, recompute);
     assert!(recomputed * 3 < kept, "{recomputed} of {kept}");
 }
 
@@ -144,8 +158,9 @@ fn recomputed_activations_train_the_same_model_bit_for_bit() {
 }
 
 /// The most transformer blocks a middle stage of `preset` holds within `limit` bytes of
-/// device memory, training `in_flight` microbatches of `rows` full-context samples (a model
-/// of three times as many layers cut in three has exactly that many in its middle stage).
+/// device memory as a swarm replica holds it (AdamW's moments on the host), training
+/// `in_flight` microbatches of `rows` full-context samples (a model of three times as many
+/// layers cut in three has exactly that many in its middle stage).
 fn largest_stage(
     preset: Preset,
     limit: u64,
@@ -160,7 +175,11 @@ fn largest_stage(
             layers: 3 * blocks,
             ..config
         };
-        spec.device_memory_bytes(&cut, rows, config.context, in_flight, recompute)
+        let held = Residency {
+            recompute,
+            moments_on_host: true,
+        };
+        spec.device_memory_bytes(&cut, rows, config.context, in_flight, held)
     };
     (1..=config.layers)
         .take_while(|b| memory(*b) <= limit)

@@ -132,7 +132,13 @@ fn a_short_run_writes_a_complete_report() {
     assert_eq!(peaks.len(), 2);
     for (index, peak) in peaks.iter().enumerate() {
         let spec = shoal_compute::StageSpec { index, count: 2 };
-        let plan = spec.device_memory_bytes(&shoal_compute::Preset::Nano.config(), 2, 64, 1, false);
+        let plan = spec.device_memory_bytes(
+            &shoal_compute::Preset::Nano.config(),
+            2,
+            64,
+            1,
+            shoal_compute::Residency::default(),
+        );
         assert_eq!(peak.as_u64(), Some(plan), "stage {index}: {text}");
     }
 

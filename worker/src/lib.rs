@@ -10,7 +10,7 @@
 use shoal_compute::replica::StageReplica;
 use shoal_compute::stage::{MicrobatchShape, StageInput, StageOutput};
 use shoal_compute::{
-    AdamW, Backend, Corpus, CpuBackend, LrSchedule, ModelConfig, Preset, StageSpec,
+    AdamW, Backend, Corpus, CpuBackend, LrSchedule, ModelConfig, Preset, Residency, StageSpec,
 };
 use shoal_protocol::swarm::{ComputeDone, Input, Job, Output, RunConfig, StageCosts, Timing};
 use std::sync::Arc;
@@ -75,8 +75,9 @@ pub fn stage_costs(config: &RunConfig, model: &ModelConfig, timing: &Timing) -> 
             .map(|s| {
                 let rows = config.microbatch as usize;
                 // The backward pass's workspace comes with the first microbatch only.
-                s.device_memory_bytes(model, rows, seq, 2, false)
-                    - s.device_memory_bytes(model, rows, seq, 1, false)
+                let held = Residency::default();
+                s.device_memory_bytes(model, rows, seq, 2, held)
+                    - s.device_memory_bytes(model, rows, seq, 1, held)
             })
             .collect(),
         param_scale: 1,
