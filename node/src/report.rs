@@ -13,7 +13,11 @@ pub fn write_json(path: &Path, value: &impl Serialize) -> anyhow::Result<()> {
         .with_context(|| format!("cannot write report {}", path.display()))
 }
 
-/// `bytes` for a person to read: "12.3 MB".
-pub fn megabytes(bytes: u64) -> String {
-    format!("{:.1} MB", bytes as f64 / 1e6)
+/// `bytes` for a person to read: "12.3 MB", "25.3 GB".
+pub fn size(bytes: u64) -> String {
+    if bytes >= 1_000_000_000 {
+        format!("{:.1} GB", bytes as f64 / 1e9)
+    } else {
+        format!("{:.1} MB", bytes as f64 / 1e6)
+    }
 }

@@ -353,7 +353,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let backend_name = shoal_compute::Backend::name(&*backend);
     let device_memory = args.device_memory.or_else(|| backend.memory_capacity());
     match device_memory {
-        Some(bytes) => println!("compute: {backend_name}, {}", report::megabytes(bytes)),
+        Some(bytes) => println!("compute: {backend_name}, {}", report::size(bytes)),
         None => println!(
             "compute: {backend_name}, memory unknown (--device-memory states it; until then \
              this peer may be given a stage its device cannot hold)"

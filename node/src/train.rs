@@ -297,7 +297,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         "device memory at its peak, by stage: {}",
         memory
             .iter()
-            .map(|m| report::megabytes(m.total()))
+            .map(|m| report::size(m.total()))
             .collect::<Vec<_>>()
             .join(", ")
     );
