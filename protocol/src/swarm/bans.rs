@@ -37,6 +37,12 @@ pub const WINDOW: usize = 5;
 /// [`WINDOW`] rounds stays above ~0.2 even with attackers present; a flipped share's is ~-1).
 pub const SUPPORT_LOW: f64 = 0.4;
 
+/// ...and only while their mean cosine with the stage's result is below this: a share that
+/// points the stage's way but is short (a DiLoCo replica that took fewer inner steps than the
+/// others, a slow one, sends a shorter pseudo-gradient) opposes nothing. Flipped shares are
+/// near -1, zeroed or unrelated ones near 0, honest ones clearly positive.
+pub const OPPOSED_COSINE: f64 = 0.1;
+
 /// Above this mean support a member's shares dwarf the stage's (honest: below ~2.1).
 pub const SUPPORT_HIGH: f64 = 3.0;
 
@@ -154,7 +160,8 @@ impl Record {
         let shares = (self.shares.len() == WINDOW).then(|| {
             let ratio = mean(&self.shares.iter().map(|s| s.ratio).collect());
             let deviation = mean(&self.shares.iter().map(|s| s.deviation).collect());
-            if ratio < SUPPORT_LOW && deviation < -DEVIATION {
+            let cosine = mean(&self.shares.iter().map(|s| s.cosine).collect());
+            if ratio < SUPPORT_LOW && deviation < -DEVIATION && cosine < OPPOSED_COSINE {
                 Some(Misconduct::OpposedTheStage)
             } else if ratio > SUPPORT_HIGH && deviation > DEVIATION {
                 Some(Misconduct::DwarfedTheStage)
@@ -452,6 +459,7 @@ mod tests {
         Support {
             ratio,
             deviation: ((ratio - 1.0) / 0.2).clamp(-8.0, 8.0),
+            cosine: ratio.clamp(-1.0, 1.0),
         }
     }
 
@@ -525,12 +533,24 @@ mod tests {
                     Support {
                         ratio: -3.0,
                         deviation: -1.0,
+                        cosine: -0.5,
                     },
                 )],
                 Duration::ZERO,
             );
         }
         assert!(d.accusations().is_empty());
+        // Short shares in the stage's direction (a DiLoCo replica slower than the others, a
+        // fifth of their inner steps) are no evidence either.
+        let mut slow = Bans::default();
+        for _ in 0..2 * WINDOW {
+            let short = Support {
+                cosine: 0.6,
+                ..s(0.2)
+            };
+            slow.observe(&[share(bad, short)], Duration::ZERO);
+        }
+        assert!(slow.accusations().is_empty());
         // Recovering withdraws the accusation.
         for _ in 0..WINDOW {
             b.observe(&[share(bad, s(1.0))], Duration::ZERO);

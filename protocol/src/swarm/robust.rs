@@ -54,6 +54,10 @@ pub struct Support {
     /// Its component's distance from the median member's in robust standard deviations
     /// (1.4826 x the median absolute deviation), within +-[`MAX_DEVIATION`].
     pub deviation: f64,
+    /// The cosine between it and the result (0 for a share of zeros): its direction alone. A
+    /// DiLoCo replica that took fewer inner steps than the others sends a shorter
+    /// pseudo-gradient, a low `ratio` in the right direction.
+    pub cosine: f64,
 }
 
 /// A deviation counts at most this much, so that one round cannot outweigh a window.
@@ -204,6 +208,17 @@ pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
     let along: Vec<f64> = (0..n).map(|j| dot(vals[j], inv[j], &centre)).collect();
     let typical = median(along.clone());
     if present.len() >= 3 && typical > 0.0 {
+        // |share|^2 from what is at hand: |share - centre|^2 + 2 share.centre - |centre|^2.
+        let centre_sq = dot(&centre, 1.0, &centre);
+        let cosine = |j: usize| {
+            let share_sq = (dist[j] * dist[j] + 2.0 * along[j] - centre_sq).max(0.0);
+            let norms = (share_sq * centre_sq).sqrt();
+            if norms > 0.0 {
+                (along[j] / norms).clamp(-1.0, 1.0)
+            } else {
+                0.0
+            }
+        };
         let spread = 1.4826 * median(along.iter().map(|a| (a - typical).abs()).collect());
         for (j, &i) in present.iter().enumerate() {
             let off = along[j] - typical;
@@ -217,6 +232,7 @@ pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
             support[i] = Some(Support {
                 ratio: along[j] / typical,
                 deviation: deviation.clamp(-MAX_DEVIATION, MAX_DEVIATION),
+                cosine: cosine(j),
             });
         }
     }
@@ -426,8 +442,33 @@ pub(crate) mod tests {
         let same = Support {
             ratio: 1.0,
             deviation: 0.0,
+            cosine: 1.0,
         };
         assert_eq!(a.support, vec![Some(same); 3]);
+    }
+
+    /// A short share in the result's direction has a low ratio and a cosine near 1; a
+    /// flipped one a cosine near -1; a share of zeros a cosine of 0.
+    #[test]
+    fn support_tells_a_short_share_from_an_opposing_one() {
+        let a = shares(
+            &[
+                vec![2.0, 0.0],
+                vec![2.2, 0.2],
+                vec![1.8, -0.2],
+                vec![0.4, 0.05],
+                vec![-2.0, 0.0],
+                vec![0.0, 0.0],
+            ],
+            &[1.0; 6],
+        );
+        let support: Vec<Support> = a.support.iter().map(|s| s.unwrap()).collect();
+        let short = support[3];
+        assert!(short.ratio < 0.4 && short.cosine > 0.95, "{short:?}");
+        let flipped = support[4];
+        assert!(flipped.ratio < 0.0 && flipped.cosine < -0.95, "{flipped:?}");
+        assert_eq!(support[5].cosine, 0.0);
+        assert!(support[..3].iter().all(|s| s.cosine > 0.95), "{support:?}");
     }
 
     #[test]
