@@ -350,11 +350,10 @@ impl<B: Backend> StageReplica<B> {
     /// momentum; finally the xxh3-64 of all preceding bytes.
     pub fn export_state(&self) -> Result<Vec<u8>, StageError> {
         let params = self.stage.download_params()?;
-        let (m, v) = (&self.adam_m, &self.adam_v);
         let spec = self.spec();
         let cfg = self.stage.config();
         let has_momentum = !self.outer_momentum.is_empty();
-        let mut sections = vec![&params, m, v, &self.anchor];
+        let mut sections = vec![&params, &self.adam_m, &self.adam_v, &self.anchor];
         if has_momentum {
             sections.push(&self.outer_momentum);
         }

@@ -774,11 +774,6 @@ impl<B: Backend> Stage<B> {
         Ok(())
     }
 
-    /// Whether this stage recomputes activations in the backward pass.
-    pub fn recomputes(&self) -> bool {
-        self.recompute
-    }
-
     /// Device memory this stage holds now and the most it has held.
     pub fn memory(&self) -> StageMemory {
         self.memory
@@ -1457,38 +1452,6 @@ impl<B: Backend> Stage<B> {
     pub fn upload_grads(&mut self, values: &[f32]) -> Result<(), StageError> {
         self.check_flat_len(values.len())?;
         upload_all(&*self.backend, &self.info, &mut self.grads, values)
-    }
-
-    /// AdamW's first and second moments, each in storage order and concatenated like
-    /// [`Stage::download_params`].
-    pub fn download_optimizer_state(&self) -> Result<(Vec<f32>, Vec<f32>), StageError> {
-        let (m, v) = self.device_moments()?;
-        Ok((self.download_all(m)?, self.download_all(v)?))
-    }
-
-    fn device_moments(&self) -> Result<&Moments<B>, StageError> {
-        self.moments
-            .as_ref()
-            .ok_or_else(|| self.bad_input("this stage's optimizer state is on the host"))
-    }
-
-    /// Overwrites AdamW's moments and its step count (which drives bias correction), e.g. to
-    /// resume from a checkpoint or take over another replica's state.
-    pub fn upload_optimizer_state(
-        &mut self,
-        m: &[f32],
-        v: &[f32],
-        steps: u64,
-    ) -> Result<(), StageError> {
-        self.check_flat_len(m.len())?;
-        self.check_flat_len(v.len())?;
-        self.device_moments()?;
-        if let Some((adam_m, adam_v)) = self.moments.as_mut() {
-            upload_all(&*self.backend, &self.info, adam_m, m)?;
-            upload_all(&*self.backend, &self.info, adam_v, v)?;
-        }
-        self.optimizer_steps = steps;
-        Ok(())
     }
 
     /// Sets the optimizer's step count where the step runs on the host (see
