@@ -10,8 +10,12 @@
 //! gradients must be summed before each optimizer step ([`Stage::tied_embedding_grad`]) so that
 //! both copies take the same update and stay identical.
 //!
-//! (Over 900 lines, as one file still: activation recomputation and chunked offload rework
-//! how a stage holds its buffers, and it is split by concern then rather than twice.)
+//! What a stage is and costs ([`StageSpec`], `stage/spec.rs`) and one block's activations and
+//! forward pass (`stage/activations.rs`) are apart. What stays here, over 900 lines, is one
+//! concern: the buffers a stage holds (parameters, gradients, moments, saved activations,
+//! workspace, their accounting) and the forward and backward passes that fill and consume
+//! them, which share those buffers' layout. Chunked offload will move where the parameter
+//! and gradient buffers live; it is the next split, along that line.
 
 use crate::backend::{AttentionShape, Backend, BackendError, MatmulShape, RowShape};
 use crate::config::ModelConfig;
@@ -20,172 +24,17 @@ use crate::optim::AdamW;
 use crate::rng::{Rng, derive_seed};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::ops::Range;
 use std::sync::Arc;
 use thiserror::Error;
 
-/// Where a stage keeps what training needs, for [`StageSpec::device_memory_bytes`]; the
-/// default is what [`Stage::new`] builds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Residency {
-    /// Activations recomputed in the backward pass ([`Stage::set_recompute`]).
-    pub recompute: bool,
-    /// AdamW's moments on the host ([`Stage::new_stepped_on_host`]).
-    pub moments_on_host: bool,
-}
+mod activations;
+mod spec;
+
+use activations::BlockActs;
+pub use spec::{Residency, StageSpec};
 
 /// Identifies one microbatch while it is in flight through the pipeline.
 pub type MicrobatchId = u64;
-
-/// Which slice of the model a stage is: stage `index` of `count`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct StageSpec {
-    /// 0-based position in the pipeline.
-    pub index: usize,
-    /// Number of stages the model is cut into.
-    pub count: usize,
-}
-
-impl StageSpec {
-    /// The only stage of an uncut model.
-    pub const WHOLE: StageSpec = StageSpec { index: 0, count: 1 };
-
-    /// Stage 0 owns the embeddings.
-    pub fn is_first(&self) -> bool {
-        self.index == 0
-    }
-
-    /// The last stage owns the final norm, the head and the loss.
-    pub fn is_last(&self) -> bool {
-        self.index + 1 == self.count
-    }
-
-    /// The transformer blocks of this stage: blocks are spread as evenly as possible.
-    pub fn blocks(&self, config: &ModelConfig) -> Range<usize> {
-        let l = config.layers;
-        (self.index * l / self.count)..((self.index + 1) * l / self.count)
-    }
-
-    /// Parameters this stage holds (a tied embedding copy counted), without building it.
-    pub fn param_count(&self, config: &ModelConfig) -> usize {
-        layout(config, *self).iter().map(|i| i.len).sum()
-    }
-
-    /// Training FLOPs (forward + backward) per sample of `seq` tokens on this stage: 6 per
-    /// matrix weight it holds (the head included on the last stage) plus its blocks'
-    /// attention products, as in [`ModelConfig::train_flops_per_token`].
-    pub fn train_flops_per_sample(&self, config: &ModelConfig, seq: usize) -> f64 {
-        let c = config.width;
-        let blocks = self.blocks(config).len();
-        let mut weights = blocks * 12 * c * c;
-        if self.is_last() {
-            weights += config.vocab * c;
-        }
-        let attention = blocks * 4 * seq * c;
-        3.0 * (2.0 * weights as f64 + attention as f64) * seq as f64
-    }
-
-    /// Memory (bytes) to train this stage as a swarm replica, wherever it is held:
-    /// parameters, gradients and activations on the device ([`Self::device_memory_bytes`]),
-    /// AdamW's moments and a DiLoCo anchor and outer momentum, four fp32 copies of the
-    /// parameters, on the host. Stage choice counts them all, so that a stage it gives a
-    /// device fits also where device and host share memory (integrated GPUs, the CPU).
-    pub fn train_memory_bytes(
-        &self,
-        config: &ModelConfig,
-        rows: usize,
-        seq: usize,
-        in_flight: usize,
-    ) -> u64 {
-        let held = Residency {
-            recompute: false,
-            moments_on_host: true,
-        };
-        self.device_memory_bytes(config, rows, seq, in_flight, held)
-            + 16 * self.param_count(config) as u64
-    }
-
-    /// Device memory (bytes) a [`Stage`] of this spec holds at most with `in_flight`
-    /// microbatches of `rows` x `seq` tokens awaiting their backward pass: parameters and
-    /// gradients (and AdamW's two moments unless `held.moments_on_host`), the activations
-    /// each microbatch keeps and the backward pass's workspace. A block's activations are 15
-    /// width-sized values, 4 per-token statistics and the attention matrix per token, and its
-    /// output; with `held.recompute` ([`Stage::set_recompute`]) a microbatch keeps only the
-    /// outputs, and one block's activations are workspace. The last stage adds the logits.
-    /// What [`crate::memory::StageMemory::peak`] measures, exactly.
-    pub fn device_memory_bytes(
-        &self,
-        config: &ModelConfig,
-        rows: usize,
-        seq: usize,
-        in_flight: usize,
-        held: Residency,
-    ) -> u64 {
-        let (c, heads, vocab) = (config.width, config.heads, config.vocab);
-        let copies = if held.moments_on_host { 2 } else { 4 };
-        let state = copies * self.param_count(config);
-        let blocks = self.blocks(config).len();
-        let tokens = rows * seq;
-        let block_acts = tokens * (15 * c + 4 + heads * seq);
-        let mut per_microbatch = tokens * c + blocks * tokens * c;
-        let mut workspace = tokens * (14 * c + heads * seq);
-        if held.recompute {
-            workspace += if blocks > 0 { block_acts } else { 0 };
-        } else {
-            per_microbatch += blocks * block_acts;
-        }
-        if self.is_first() {
-            per_microbatch += tokens;
-        }
-        if self.is_last() {
-            per_microbatch += tokens * (c + vocab + 4);
-        }
-        let microbatches = in_flight * per_microbatch + if in_flight > 0 { workspace } else { 0 };
-        4 * (state + microbatches) as u64
-    }
-
-    /// Checks that `config` can be trained as `stages` pipeline stages on samples of `seq`
-    /// tokens.
-    pub fn check_pipeline(
-        config: &ModelConfig,
-        stages: usize,
-        seq: usize,
-    ) -> Result<(), StageError> {
-        if seq > config.context {
-            return Err(StageError::SeqTooLong {
-                seq,
-                context: config.context,
-            });
-        }
-        StageSpec {
-            index: 0,
-            count: stages,
-        }
-        .validate(config)
-    }
-
-    /// Checks that the cut is possible: every stage between the first and the last must own
-    /// at least one block (the first and last always own the embeddings or the head).
-    pub fn validate(&self, config: &ModelConfig) -> Result<(), StageError> {
-        let bad = self.count == 0
-            || self.index >= self.count
-            || (1..self.count.saturating_sub(1)).any(|i| {
-                StageSpec {
-                    index: i,
-                    count: self.count,
-                }
-                .blocks(config)
-                .is_empty()
-            });
-        if bad {
-            return Err(StageError::BadCut {
-                stages: self.count,
-                layers: config.layers,
-            });
-        }
-        Ok(())
-    }
-}
 
 /// What went wrong in a stage.
 #[derive(Debug, Error)]
@@ -476,147 +325,6 @@ fn initial_values(info: &TensorInfo, seed: u64) -> Vec<f32> {
             let mut rng = Rng::new(derive_seed(seed, &[name_hash(&info.name)]));
             (0..info.len).map(|_| rng.normal() as f32 * std).collect()
         }
-    }
-}
-
-/// Activations one block saves for its backward pass.
-struct BlockActs<B: Backend> {
-    ln1: B::Buffer,
-    ln1_mean: B::Buffer,
-    ln1_rstd: B::Buffer,
-    qkv: B::Buffer,
-    probs: B::Buffer,
-    atty: B::Buffer,
-    x2: B::Buffer,
-    ln2: B::Buffer,
-    ln2_mean: B::Buffer,
-    ln2_rstd: B::Buffer,
-    fch: B::Buffer,
-    fcg: B::Buffer,
-}
-
-impl<B: Backend> BlockActs<B> {
-    /// Buffers for one block's activations of `shape`.
-    fn alloc(b: &B, config: &ModelConfig, shape: MicrobatchShape) -> Result<Self, BackendError> {
-        let (n, c) = (shape.tokens(), config.width);
-        Ok(BlockActs {
-            ln1: b.alloc(n * c)?,
-            ln1_mean: b.alloc(n)?,
-            ln1_rstd: b.alloc(n)?,
-            qkv: b.alloc(n * 3 * c)?,
-            probs: b.alloc(attention_shape(config, shape).probs_len())?,
-            atty: b.alloc(n * c)?,
-            x2: b.alloc(n * c)?,
-            ln2: b.alloc(n * c)?,
-            ln2_mean: b.alloc(n)?,
-            ln2_rstd: b.alloc(n)?,
-            fch: b.alloc(n * 4 * c)?,
-            fcg: b.alloc(n * 4 * c)?,
-        })
-    }
-
-    /// Block `p`'s forward pass on `x` into these buffers and, unless None, its output into
-    /// `out` (a backward pass that recomputes the activations needs everything but that).
-    fn forward(
-        &mut self,
-        b: &B,
-        p: &Block<B::Buffer>,
-        x: &B::Buffer,
-        out: Option<&mut B::Buffer>,
-        rows: RowShape,
-        att: AttentionShape,
-    ) -> Result<(), BackendError> {
-        let (n, c) = (rows.rows, rows.width);
-        b.layernorm_forward(
-            &mut self.ln1,
-            &mut self.ln1_mean,
-            &mut self.ln1_rstd,
-            x,
-            &p.ln1_w,
-            &p.ln1_b,
-            rows,
-        )?;
-        b.matmul_forward(
-            &mut self.qkv,
-            &self.ln1,
-            &p.qkv_w,
-            Some(&p.qkv_b),
-            MatmulShape {
-                rows: n,
-                input: c,
-                output: 3 * c,
-            },
-        )?;
-        b.attention_forward(&mut self.atty, &mut self.probs, &self.qkv, att)?;
-        b.matmul_forward(
-            &mut self.x2,
-            &self.atty,
-            &p.attn_proj_w,
-            Some(&p.attn_proj_b),
-            MatmulShape {
-                rows: n,
-                input: c,
-                output: c,
-            },
-        )?;
-        b.add_assign(&mut self.x2, x)?;
-        b.layernorm_forward(
-            &mut self.ln2,
-            &mut self.ln2_mean,
-            &mut self.ln2_rstd,
-            &self.x2,
-            &p.ln2_w,
-            &p.ln2_b,
-            rows,
-        )?;
-        b.matmul_forward(
-            &mut self.fch,
-            &self.ln2,
-            &p.fc_w,
-            Some(&p.fc_b),
-            MatmulShape {
-                rows: n,
-                input: c,
-                output: 4 * c,
-            },
-        )?;
-        b.gelu_forward(&mut self.fcg, &self.fch)?;
-        if let Some(out) = out {
-            b.matmul_forward(
-                out,
-                &self.fcg,
-                &p.fc_proj_w,
-                Some(&p.fc_proj_b),
-                MatmulShape {
-                    rows: n,
-                    input: 4 * c,
-                    output: c,
-                },
-            )?;
-            b.add_assign(out, &self.x2)?;
-        }
-        Ok(())
-    }
-
-    /// Values held.
-    fn values(&self, b: &B) -> usize {
-        [
-            &self.ln1,
-            &self.ln1_mean,
-            &self.ln1_rstd,
-            &self.qkv,
-            &self.probs,
-            &self.atty,
-            &self.x2,
-            &self.ln2,
-            &self.ln2_mean,
-            &self.ln2_rstd,
-            &self.fch,
-            &self.fcg,
-        ]
-        .into_iter()
-        .map(|buf| b.len(buf))
-        .sum()
     }
 }
 
