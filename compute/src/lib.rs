@@ -32,4 +32,4 @@ pub use memory::{MemoryUse, StageMemory};
 pub use optim::{AdamW, LrSchedule};
 pub use pipeline::{Coupling, LocalPipeline, StepStats, Transit};
 pub use replica::{ReplicaError, StageReplica, exported_state_len, poisoned_state};
-pub use stage::{MicrobatchId, Residency, Stage, StageError, StageSpec};
+pub use stage::{MicrobatchId, OffloadTraffic, Residency, Stage, StageError, StageSpec};

@@ -71,17 +71,27 @@ impl<B: Backend> LocalPipeline<B> {
         optimizer: AdamW,
         schedule: LrSchedule,
     ) -> Result<Self, StageError> {
+        Self::with_memory_limit(backend, config, stages, seed, optimizer, schedule, None)
+    }
+
+    /// [`LocalPipeline::new`] with each stage holding at most `limit` bytes of device memory
+    /// (see [`Stage::with_memory_limit`]): what one peer's device would hold of it.
+    pub fn with_memory_limit(
+        backend: Arc<B>,
+        config: ModelConfig,
+        stages: usize,
+        seed: u64,
+        optimizer: AdamW,
+        schedule: LrSchedule,
+        limit: Option<u64>,
+    ) -> Result<Self, StageError> {
         let stages = (0..stages.max(1))
             .map(|index| {
-                Stage::new(
-                    backend.clone(),
-                    config,
-                    StageSpec {
-                        index,
-                        count: stages,
-                    },
-                    seed,
-                )
+                let spec = StageSpec {
+                    index,
+                    count: stages,
+                };
+                Stage::with_memory_limit(backend.clone(), config, spec, seed, false, limit)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(LocalPipeline {

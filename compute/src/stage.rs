@@ -10,14 +10,18 @@
 //! gradients must be summed before each optimizer step ([`Stage::tied_embedding_grad`]) so that
 //! both copies take the same update and stay identical.
 //!
-//! What a stage is and costs ([`StageSpec`], `stage/spec.rs`) and one block's activations and
-//! forward pass (`stage/activations.rs`) are apart. What stays here, over 900 lines, is one
-//! concern: the buffers a stage holds (parameters, gradients, moments, saved activations,
-//! workspace, their accounting) and the forward and backward passes that fill and consume
-//! them, which share those buffers' layout. Chunked offload will move where the parameter
-//! and gradient buffers live; it is the next split, along that line.
+//! Under a device memory limit ([`Stage::with_memory_limit`]) the blocks' parameters and
+//! gradients live on the host and visit the device a block at a time (`stage/chunks.rs`);
+//! AdamW then steps on the host.
+//!
+//! What a stage is and costs ([`StageSpec`], `stage/spec.rs`), one block's activations and
+//! forward pass (`stage/activations.rs`) and where the blocks' tensors live
+//! (`stage/chunks.rs`) are apart. What stays here, over 900 lines, is one concern: the
+//! buffers a stage holds (embeddings, moments, saved activations, workspace, their
+//! accounting against the limit) and the forward and backward passes that fill and consume
+//! them, which share those buffers' layout.
 
-use crate::backend::{AttentionShape, Backend, BackendError, MatmulShape, RowShape};
+use crate::backend::{AttentionShape, Backend, BackendError, MatmulShape, RowShape, kernels};
 use crate::config::ModelConfig;
 use crate::memory::{MemoryUse, StageMemory};
 use crate::optim::AdamW;
@@ -28,9 +32,12 @@ use std::sync::Arc;
 use thiserror::Error;
 
 mod activations;
+mod chunks;
 mod spec;
 
 use activations::BlockActs;
+pub use chunks::OffloadTraffic;
+use chunks::{Chunks, FetchError, Kind};
 pub use spec::{Residency, StageSpec};
 
 /// Identifies one microbatch while it is in flight through the pipeline.
@@ -72,6 +79,34 @@ pub enum StageError {
     /// Backward for a microbatch this stage has no saved activations for.
     #[error("microbatch {0} is not in flight on this stage")]
     UnknownMicrobatch(MicrobatchId),
+    /// What the stage needs does not fit its device memory limit.
+    #[error(
+        "stage {stage} needs {needed} bytes of device memory for {what}, over its limit of {limit} (a larger limit, --recompute or smaller microbatches fit)"
+    )]
+    MemoryLimit {
+        /// The stage.
+        stage: usize,
+        /// Bytes it would hold.
+        needed: u64,
+        /// Its limit.
+        limit: u64,
+        /// What it was making room for.
+        what: &'static str,
+    },
+}
+
+impl StageError {
+    fn from_fetch(e: FetchError, stage: usize, limit: Option<u64>) -> Self {
+        match e {
+            FetchError::Backend(e) => StageError::Backend(e),
+            FetchError::NoRoom { needed } => StageError::MemoryLimit {
+                stage,
+                needed,
+                limit: limit.unwrap_or(0),
+                what: "a block's parameters and gradients",
+            },
+        }
+    }
 }
 
 /// Batch size and sequence length of one microbatch.
@@ -189,6 +224,24 @@ impl<T> Block<T> {
         ]
     }
 
+    /// A block of the tensors `f` gives for each place in [`Block::iter`] order.
+    fn try_build<E>(mut f: impl FnMut(usize) -> Result<T, E>) -> Result<Block<T>, E> {
+        Ok(Block {
+            ln1_w: f(0)?,
+            ln1_b: f(1)?,
+            qkv_w: f(2)?,
+            qkv_b: f(3)?,
+            attn_proj_w: f(4)?,
+            attn_proj_b: f(5)?,
+            ln2_w: f(6)?,
+            ln2_b: f(7)?,
+            fc_w: f(8)?,
+            fc_b: f(9)?,
+            fc_proj_w: f(10)?,
+            fc_proj_b: f(11)?,
+        })
+    }
+
     fn try_map<U, E>(&self, mut f: impl FnMut(&T) -> Result<U, E>) -> Result<Block<U>, E> {
         Ok(Block {
             ln1_w: f(&self.ln1_w)?,
@@ -235,6 +288,38 @@ impl<T> StageTensors<T> {
             .chain(self.blocks.iter_mut().flat_map(|b| b.iter_mut()))
             .chain(self.lnf_w.iter_mut())
             .chain(self.lnf_b.iter_mut())
+    }
+
+    /// The embeddings, which come before the blocks in storage order.
+    fn front(&self) -> impl Iterator<Item = &T> {
+        self.wte.iter().chain(self.wpe.iter())
+    }
+
+    /// The final norm, after the blocks.
+    fn back(&self) -> impl Iterator<Item = &T> {
+        self.lnf_w.iter().chain(self.lnf_b.iter())
+    }
+
+    fn front_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.wte.iter_mut().chain(self.wpe.iter_mut())
+    }
+
+    fn back_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.lnf_w.iter_mut().chain(self.lnf_b.iter_mut())
+    }
+
+    /// The tensors outside the blocks (`f` of each), with no blocks.
+    fn try_map_edges<U, E>(
+        &self,
+        mut f: impl FnMut(&T) -> Result<U, E>,
+    ) -> Result<StageTensors<U>, E> {
+        Ok(StageTensors {
+            wte: self.wte.as_ref().map(&mut f).transpose()?,
+            wpe: self.wpe.as_ref().map(&mut f).transpose()?,
+            blocks: Vec::new(),
+            lnf_w: self.lnf_w.as_ref().map(&mut f).transpose()?,
+            lnf_b: self.lnf_b.as_ref().map(&mut f).transpose()?,
+        })
     }
 
     fn try_map<U, E>(&self, mut f: impl FnMut(&T) -> Result<U, E>) -> Result<StageTensors<U>, E> {
@@ -294,18 +379,30 @@ fn layout(config: &ModelConfig, spec: StageSpec) -> StageTensors<TensorInfo> {
     }
 }
 
-fn upload_all<B: Backend>(
-    backend: &B,
-    info: &StageTensors<TensorInfo>,
-    tensors: &mut StageTensors<B::Buffer>,
-    values: &[f32],
-) -> Result<(), StageError> {
-    let mut offset = 0;
-    for (info, t) in info.iter().zip(tensors.iter_mut()) {
-        backend.write(t, &values[offset..offset + info.len])?;
-        offset += info.len;
-    }
-    Ok(())
+/// Records what a stage holds: `outside` its blocks, and the blocks' parameters and
+/// gradients on the device.
+fn record<B: Backend>(memory: &mut StageMemory, outside: MemoryUse, blocks: &Chunks<B>) {
+    let (params, grads) = blocks.device_bytes();
+    memory.set(MemoryUse {
+        parameters: outside.parameters + params,
+        gradients: outside.gradients + grads,
+        ..outside
+    });
+}
+
+/// Runs `step` on a tensor held on the device with its gradient, on the host.
+fn step_edge_on_host<B: Backend>(
+    b: &B,
+    p: &mut B::Buffer,
+    g: &B::Buffer,
+    step: impl FnOnce(&mut [f32], &[f32]),
+) -> Result<(), BackendError> {
+    let len = b.len(p);
+    let (mut hp, mut hg) = (vec![0.0; len], vec![0.0; len]);
+    b.download(p, &mut hp)?;
+    b.download(g, &mut hg)?;
+    step(&mut hp, &hg);
+    b.write(p, &hp)
 }
 
 /// FNV-1a, to give each tensor name a stable seed.
@@ -360,11 +457,15 @@ struct Scratch<B: Backend> {
     dfcg: B::Buffer,
 }
 
-/// AdamW's first and second moments on the device.
-type Moments<B> = (
-    StageTensors<<B as Backend>::Buffer>,
-    StageTensors<<B as Backend>::Buffer>,
-);
+/// Where AdamW's two moments are, and so where the optimizer steps.
+enum Moments<B: Backend> {
+    /// On the device, stepped there ([`Stage::new`]).
+    Device(StageTensors<B::Buffer>, StageTensors<B::Buffer>),
+    /// On the host in storage order, stepped there: a stage under a memory limit.
+    Host(Vec<f32>, Vec<f32>),
+    /// With the caller, which steps on the host ([`Stage::new_stepped_on_host`]).
+    Caller,
+}
 
 /// One pipeline stage on a backend: parameters, gradients, AdamW state and the saved
 /// activations of in-flight microbatches.
@@ -373,11 +474,15 @@ pub struct Stage<B: Backend> {
     config: ModelConfig,
     spec: StageSpec,
     info: StageTensors<TensorInfo>,
+    /// The embeddings and the final norm (no blocks: those are in `blocks`), always on the
+    /// device.
     params: StageTensors<B::Buffer>,
     grads: StageTensors<B::Buffer>,
-    /// AdamW's two moments on the device; None where the optimizer steps on the host and its
-    /// moments live there (see [`Stage::new_stepped_on_host`]).
-    moments: Option<Moments<B>>,
+    /// The transformer blocks' parameters and gradients, on the device or offloaded.
+    blocks: Chunks<B>,
+    moments: Moments<B>,
+    /// Device memory this stage may hold (see [`Stage::with_memory_limit`]).
+    memory_limit: Option<u64>,
     optimizer_steps: u64,
     in_flight: HashMap<MicrobatchId, Saved<B>>,
     spare: Vec<Saved<B>>,
@@ -399,7 +504,7 @@ impl<B: Backend> Stage<B> {
         spec: StageSpec,
         seed: u64,
     ) -> Result<Self, StageError> {
-        Self::build(backend, config, spec, seed, true)
+        Self::with_memory_limit(backend, config, spec, seed, false, None)
     }
 
     /// [`Stage::new`] for a caller that runs the optimizer step on the host and keeps AdamW's
@@ -411,15 +516,23 @@ impl<B: Backend> Stage<B> {
         spec: StageSpec,
         seed: u64,
     ) -> Result<Self, StageError> {
-        Self::build(backend, config, spec, seed, false)
+        Self::with_memory_limit(backend, config, spec, seed, true, None)
     }
 
-    fn build(
+    /// [`Stage::new`] (or, if `stepped_on_host`, [`Stage::new_stepped_on_host`]) holding at
+    /// most `limit` bytes of device memory. Under a limit the blocks' parameters and gradients
+    /// live on the host and come to the device a block at a time while a pass needs them, the
+    /// next block fetched before the current one runs where two fit (see `stage/chunks.rs`);
+    /// AdamW's moments and its step stay on the host. The numbers are those of an unlimited
+    /// stage, bit for bit on the CPU backend. What does not fit is refused with
+    /// [`StageError::MemoryLimit`] before anything is allocated past the limit.
+    pub fn with_memory_limit(
         backend: Arc<B>,
         config: ModelConfig,
         spec: StageSpec,
         seed: u64,
-        device_moments: bool,
+        stepped_on_host: bool,
+        limit: Option<u64>,
     ) -> Result<Self, StageError> {
         config.validate().map_err(|reason| StageError::BadInput {
             stage: spec.index,
@@ -428,15 +541,43 @@ impl<B: Backend> Stage<B> {
         spec.validate(&config)?;
         let info = layout(&config, spec);
         let b = &*backend;
-        let params = info.try_map(|i| b.upload(&initial_values(i, seed)))?;
-        let grads = info.try_map(|i| b.alloc(i.len))?;
-        let moments = if device_moments {
-            Some((
+        let edges = 8 * info
+            .front()
+            .chain(info.back())
+            .map(|i| i.len)
+            .sum::<usize>() as u64;
+        if let Some(limit) = limit {
+            let block = |blk: &Block<TensorInfo>| blk.iter().iter().map(|i| i.len).sum::<usize>();
+            let largest = 8 * info.blocks.iter().map(block).max().unwrap_or(0) as u64;
+            if edges + largest > limit {
+                return Err(StageError::MemoryLimit {
+                    stage: spec.index,
+                    needed: edges + largest,
+                    limit,
+                    what: "the embeddings' and one block's parameters and gradients",
+                });
+            }
+        }
+        let params = info.try_map_edges(|i| b.upload(&initial_values(i, seed)))?;
+        let grads = info.try_map_edges(|i| b.alloc(i.len))?;
+        let block_values = info.blocks.iter().map(|blk| {
+            blk.iter()
+                .into_iter()
+                .flat_map(|i| initial_values(i, seed))
+                .collect::<Vec<f32>>()
+        });
+        let blocks = match limit {
+            None => Chunks::resident(b, &info.blocks, block_values)?,
+            Some(_) => Chunks::offloaded(&info.blocks, block_values),
+        };
+        let n = info.iter().map(|i| i.len).sum::<usize>();
+        let moments = match (stepped_on_host, limit) {
+            (true, _) => Moments::Caller,
+            (false, None) => Moments::Device(
                 info.try_map(|i| b.alloc(i.len))?,
                 info.try_map(|i| b.alloc(i.len))?,
-            ))
-        } else {
-            None
+            ),
+            (false, Some(_)) => Moments::Host(vec![0.0; n], vec![0.0; n]),
         };
         let mut stage = Stage {
             backend,
@@ -445,7 +586,9 @@ impl<B: Backend> Stage<B> {
             info,
             params,
             grads,
+            blocks,
             moments,
+            memory_limit: limit,
             optimizer_steps: 0,
             in_flight: HashMap::new(),
             spare: Vec::new(),
@@ -487,18 +630,33 @@ impl<B: Backend> Stage<B> {
         self.memory
     }
 
-    /// Counts what the stage holds after an allocation (`pending`: the bytes of saved
-    /// activations held outside the in-flight map and the spares, being filled).
-    fn account(&mut self, pending: u64) {
-        let tensors = 4 * self.param_count() as u64;
+    /// The device memory this stage may hold, if limited.
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.memory_limit
+    }
+
+    /// Bytes of parameters and gradients moved between host and device so far by a stage
+    /// under a memory limit (zero without one).
+    pub fn offload_traffic(&self) -> OffloadTraffic {
+        self.blocks.traffic()
+    }
+
+    /// What the stage holds besides its blocks' parameters and gradients (`pending`: the
+    /// bytes of saved activations held outside the in-flight map and the spares).
+    fn usage_outside_blocks(&self, pending: u64) -> MemoryUse {
+        let edges = 4 * self
+            .info
+            .front()
+            .chain(self.info.back())
+            .map(|i| i.len)
+            .sum::<usize>() as u64;
         let saved = self.in_flight.values().chain(&self.spare);
-        self.memory.set(MemoryUse {
-            parameters: tensors,
-            gradients: tensors,
-            optimizer: if self.moments.is_some() {
-                2 * tensors
-            } else {
-                0
+        MemoryUse {
+            parameters: edges,
+            gradients: edges,
+            optimizer: match self.moments {
+                Moments::Device(..) => 8 * self.param_count() as u64,
+                Moments::Host(..) | Moments::Caller => 0,
             },
             activations: pending + saved.map(|s| s.bytes).sum::<u64>(),
             workspace: self.scratch.as_ref().map_or(0, |s| s.bytes)
@@ -506,7 +664,49 @@ impl<B: Backend> Stage<B> {
                     .replay
                     .as_ref()
                     .map_or(0, |(_, a)| 4 * a.values(&*self.backend) as u64),
-        });
+        }
+    }
+
+    /// Counts what the stage holds after an allocation (`pending` as above).
+    fn account(&mut self, pending: u64) {
+        let outside = self.usage_outside_blocks(pending);
+        record(&mut self.memory, outside, &self.blocks);
+    }
+
+    /// What the blocks may hold on the device with `pending` bytes of activations held
+    /// outside the map (unbounded without a limit).
+    fn block_budget(&self, pending: u64) -> u64 {
+        match self.memory_limit {
+            None => u64::MAX,
+            Some(limit) => limit.saturating_sub(self.usage_outside_blocks(pending).total()),
+        }
+    }
+
+    /// Under a limit, makes room for `bytes` more of activations or workspace (with `pending`
+    /// bytes held outside the map) by moving blocks to the host, and refuses what would not
+    /// leave room for one block.
+    fn make_room(
+        &mut self,
+        bytes: u64,
+        pending: u64,
+        what: &'static str,
+    ) -> Result<(), StageError> {
+        let Some(limit) = self.memory_limit else {
+            return Ok(());
+        };
+        let outside = self.usage_outside_blocks(pending).total();
+        let block = self.blocks.largest_block_bytes();
+        if outside + bytes + block > limit {
+            return Err(StageError::MemoryLimit {
+                stage: self.spec.index,
+                needed: outside + bytes + block,
+                limit,
+                what,
+            });
+        }
+        let budget = limit - outside - bytes;
+        self.blocks.evict_to(&*self.backend, budget, [None, None])?;
+        Ok(())
     }
 
     /// Which stage this is.
@@ -560,10 +760,27 @@ impl<B: Backend> Stage<B> {
         if let Some(pos) = self.spare.iter().position(|s| s.shape == shape) {
             return Ok(self.spare.swap_remove(pos));
         }
-        let b = &*self.backend;
         let n = shape.tokens();
         let c = self.config.width;
         let count = self.spec.blocks(&self.config).len();
+        let last = self.spec.is_last();
+        let mut values = (1 + count) * n * c;
+        if !self.recompute {
+            values += count * BlockActs::<B>::values_for(&self.config, shape);
+        }
+        if last {
+            // The final norm's output, mean and rstd; the logits; the losses; the targets.
+            values += n * c + 2 * n + n * self.config.vocab + n + n;
+        }
+        if self.spec.is_first() {
+            values += n; // the token ids
+        }
+        if self.memory_limit.is_some() {
+            // Buffers kept for another shape give their room first.
+            self.spare.clear();
+        }
+        self.make_room(4 * values as u64, 0, "a microbatch's activations")?;
+        let b = &*self.backend;
         let blocks = if self.recompute {
             Vec::new()
         } else {
@@ -574,15 +791,6 @@ impl<B: Backend> Stage<B> {
         let outs = (0..count)
             .map(|_| b.alloc(n * c))
             .collect::<Result<Vec<_>, BackendError>>()?;
-        let last = self.spec.is_last();
-        let mut values = (1 + count) * n * c + blocks.iter().map(|a| a.values(b)).sum::<usize>();
-        if last {
-            // The final norm's output, mean and rstd; the logits; the losses; the targets.
-            values += n * c + 2 * n + n * self.config.vocab + n + n;
-        }
-        if self.spec.is_first() {
-            values += n; // the token ids
-        }
         Ok(Saved {
             shape,
             bytes: 4 * values as u64,
@@ -656,16 +864,12 @@ impl<B: Backend> Stage<B> {
         };
 
         let mut saved = self.alloc_saved(shape)?;
-        self.ensure_replay(shape)?;
+        if let Err(e) = self.ensure_replay(shape, saved.bytes) {
+            self.spare.push(saved);
+            return Err(e);
+        }
         self.account(saved.bytes);
-        let mut replay = self.replay.take();
-        let result = self.forward_into(
-            &mut saved,
-            replay.as_mut().map(|r| &mut r.1),
-            input,
-            targets,
-        );
-        self.replay = replay;
+        let result = self.forward_into(&mut saved, input, targets);
         match result {
             Ok(out) => {
                 self.in_flight.insert(id, saved);
@@ -678,16 +882,24 @@ impl<B: Backend> Stage<B> {
         }
     }
 
-    /// `replay`: the one block's buffers that every block computes into where the stage
-    /// recomputes activations in the backward pass (`s` then keeps block outputs only).
+    /// Where the stage recomputes activations in the backward pass, every block computes into
+    /// the one block's buffers of `self.replay` and `s` keeps block outputs only.
     fn forward_into(
-        &self,
+        &mut self,
         s: &mut Saved<B>,
-        mut replay: Option<&mut BlockActs<B>>,
         input: StageInput<'_>,
         targets: Option<&[u32]>,
     ) -> Result<StageOutput, StageError> {
-        let b = &*self.backend;
+        let backend = self.backend.clone();
+        let b = &*backend;
+        let outside = self.usage_outside_blocks(s.bytes);
+        let budget = self.block_budget(s.bytes);
+        let (stage, limit) = (self.spec.index, self.memory_limit);
+        let fetch_err = |e| StageError::from_fetch(e, stage, limit);
+        let count = s.outs.len();
+        if count > 0 {
+            self.blocks.prefetch(b, 0, false, budget, None)?;
+        }
         let cfg = &self.config;
         let (n, c) = (s.shape.tokens(), cfg.width);
         let rows = RowShape { rows: n, width: c };
@@ -714,11 +926,19 @@ impl<B: Backend> Stage<B> {
         }
         s.targets = targets.map(|t| b.upload_tokens(t)).transpose()?;
 
-        for (i, p) in self.params.blocks.iter().enumerate() {
+        for i in 0..count {
+            self.blocks
+                .fetch(b, i, false, budget, None)
+                .map_err(fetch_err)?;
+            if i + 1 < count {
+                self.blocks.prefetch(b, i + 1, false, budget, Some(i))?;
+            }
+            record(&mut self.memory, outside, &self.blocks);
+            let p = self.blocks.params_on_device(i);
             let (before, rest) = s.outs.split_at_mut(i);
             let x = if i == 0 { &s.input } else { &before[i - 1] };
-            let acts = match replay.as_deref_mut() {
-                Some(one) => one,
+            let acts = match self.replay.as_mut() {
+                Some((_, one)) => one,
                 None => &mut s.blocks[i],
             };
             acts.forward(b, p, x, Some(&mut rest[0]), rows, att)?;
@@ -800,13 +1020,16 @@ impl<B: Backend> Stage<B> {
         result
     }
 
-    /// Where recomputing, one block's activation buffers for `shape`.
-    fn ensure_replay(&mut self, shape: MicrobatchShape) -> Result<(), BackendError> {
+    /// Where recomputing, one block's activation buffers for `shape` (`pending`: the bytes
+    /// of the microbatch being run, out of the in-flight map meanwhile).
+    fn ensure_replay(&mut self, shape: MicrobatchShape, pending: u64) -> Result<(), StageError> {
         let blocks = self.spec.blocks(&self.config).len();
         if !self.recompute || blocks == 0 || self.replay.as_ref().is_some_and(|r| r.0 == shape) {
             return Ok(());
         }
         self.replay = None;
+        let bytes = 4 * BlockActs::<B>::values_for(&self.config, shape) as u64;
+        self.make_room(bytes, pending, "one block's recomputed activations")?;
         self.replay = Some((
             shape,
             BlockActs::alloc(&*self.backend, &self.config, shape)?,
@@ -816,18 +1039,20 @@ impl<B: Backend> Stage<B> {
 
     /// The backward pass's workspace for `shape` (`pending`: the bytes of the microbatch being
     /// run backward, out of the in-flight map meanwhile).
-    fn ensure_scratch(&mut self, shape: MicrobatchShape, pending: u64) -> Result<(), BackendError> {
+    fn ensure_scratch(&mut self, shape: MicrobatchShape, pending: u64) -> Result<(), StageError> {
         if self.scratch.as_ref().is_some_and(|s| s.shape == shape) {
             return Ok(());
         }
-        let b = &*self.backend;
         let (n, c) = (shape.tokens(), self.config.width);
         let probs = shape.batch * self.config.heads * shape.seq * shape.seq;
         // A scratch of another shape is dropped first: the two are never held together.
         self.scratch = None;
+        let bytes = 4 * (n * c * 3 + n * 3 * c + probs + 2 * n * 4 * c) as u64;
+        self.make_room(bytes, pending, "the backward pass's workspace")?;
+        let b = &*self.backend;
         self.scratch = Some(Scratch {
             shape,
-            bytes: 4 * (n * c * 3 + n * 3 * c + probs + 2 * n * 4 * c) as u64,
+            bytes,
             dres: b.alloc(n * c)?,
             dln: b.alloc(n * c)?,
             datty: b.alloc(n * c)?,
@@ -846,22 +1071,32 @@ impl<B: Backend> Stage<B> {
         grad_output: Option<&[f32]>,
         loss_scale: f32,
     ) -> Result<Option<Vec<f32>>, StageError> {
-        self.ensure_replay(s.shape)?;
+        self.ensure_replay(s.shape, s.bytes)?;
         self.ensure_scratch(s.shape, s.bytes)?;
+        let outside = self.usage_outside_blocks(s.bytes);
+        let budget = self.block_budget(s.bytes);
+        let (stage, limit) = (self.spec.index, self.memory_limit);
+        let fetch_err = |e| StageError::from_fetch(e, stage, limit);
         let Stage {
             backend,
             config,
             spec,
             params,
             grads,
+            blocks,
             scratch,
             replay,
+            memory,
             ..
         } = self;
         let Some(sc) = scratch.as_mut() else {
             unreachable!("scratch was just ensured")
         };
         let b = &**backend;
+        let count = s.outs.len();
+        if count > 0 {
+            blocks.prefetch(b, count - 1, true, budget, None)?;
+        }
         let (n, c) = (s.shape.tokens(), config.width);
         let rows = RowShape { rows: n, width: c };
         let att = attention_shape(config, s.shape);
@@ -921,13 +1156,13 @@ impl<B: Backend> Stage<B> {
             b.write(&mut sc.dres, g)?;
         }
 
-        for (i, (p, g)) in params
-            .blocks
-            .iter()
-            .zip(grads.blocks.iter_mut())
-            .enumerate()
-            .rev()
-        {
+        for i in (0..count).rev() {
+            blocks.fetch(b, i, true, budget, None).map_err(fetch_err)?;
+            if i > 0 {
+                blocks.prefetch(b, i - 1, true, budget, Some(i))?;
+            }
+            record(memory, outside, blocks);
+            let (p, g) = blocks.on_device(i);
             let x = if i == 0 { &s.input } else { &s.outs[i - 1] };
             let a = match replay.as_mut() {
                 Some((_, one)) => {
@@ -1063,6 +1298,7 @@ impl<B: Backend> Stage<B> {
         for g in self.grads.iter_mut() {
             self.backend.fill(g, 0.0)?;
         }
+        self.blocks.zero_grads(&*self.backend)?;
         Ok(())
     }
 
@@ -1071,12 +1307,21 @@ impl<B: Backend> Stage<B> {
     /// all stages counts the tied matrix once.
     pub fn grad_sum_squares(&self, count_tied_copy: bool) -> Result<f64, StageError> {
         let skip_wte = !count_tied_copy && self.holds_tied_copy() && !self.spec.is_first();
+        let b = &*self.backend;
         let mut total = 0.0;
-        for (info, g) in self.info.iter().zip(self.grads.iter()) {
+        for (info, g) in self.info.front().zip(self.grads.front()) {
             if skip_wte && info.name == "wte" {
                 continue;
             }
-            total += self.backend.sum_squares(g)?;
+            total += b.sum_squares(g)?;
+        }
+        for i in 0..self.info.blocks.len() {
+            for s in self.blocks.grad_sum_squares(b, i)? {
+                total += s;
+            }
+        }
+        for g in self.grads.back() {
+            total += b.sum_squares(g)?;
         }
         Ok(total)
     }
@@ -1100,66 +1345,128 @@ impl<B: Backend> Stage<B> {
     }
 
     /// One AdamW step on every parameter at learning rate `lr`, gradients multiplied by
-    /// `grad_scale` first (clipping).
+    /// `grad_scale` first (clipping): on the device, or on the host under a memory limit.
     pub fn apply_optimizer(
         &mut self,
         opt: &AdamW,
         lr: f32,
         grad_scale: f32,
     ) -> Result<(), StageError> {
-        let Some((adam_m, adam_v)) = self.moments.as_mut() else {
-            return Err(StageError::BadInput {
-                stage: self.spec.index,
-                reason: "this stage's optimizer steps on the host".into(),
-            });
-        };
-        self.optimizer_steps += 1;
+        let step = self.optimizer_steps + 1;
         let b = &*self.backend;
-        let tensors = self
-            .info
-            .iter()
-            .zip(self.params.iter_mut())
-            .zip(self.grads.iter())
-            .zip(adam_m.iter_mut().zip(adam_v.iter_mut()));
-        for (((info, p), g), (m, v)) in tensors {
-            let update = opt.update(lr, info.decay, self.optimizer_steps, grad_scale);
-            b.adamw(p, g, m, v, &update)?;
+        match &mut self.moments {
+            Moments::Caller => {
+                return Err(StageError::BadInput {
+                    stage: self.spec.index,
+                    reason: "this stage's optimizer steps on the host".into(),
+                });
+            }
+            Moments::Device(adam_m, adam_v) => {
+                let update = |info: &TensorInfo| opt.update(lr, info.decay, step, grad_scale);
+                let front = self.info.front().zip(self.params.front_mut());
+                let front = front.zip(self.grads.front());
+                let front = front.zip(adam_m.front_mut().zip(adam_v.front_mut()));
+                for (((info, p), g), (m, v)) in front {
+                    b.adamw(p, g, m, v, &update(info))?;
+                }
+                for (i, (m, v)) in adam_m.blocks.iter_mut().zip(&mut adam_v.blocks).enumerate() {
+                    let (p, g) = self.blocks.on_device(i);
+                    let tensors = self.info.blocks[i].iter().into_iter().zip(p.iter_mut());
+                    let tensors = tensors
+                        .zip(g.iter())
+                        .zip(m.iter_mut().into_iter().zip(v.iter_mut()));
+                    for (((info, p), g), (m, v)) in tensors {
+                        b.adamw(p, g, m, v, &update(info))?;
+                    }
+                }
+                let back = self.info.back().zip(self.params.back_mut());
+                let back = back.zip(self.grads.back());
+                let back = back.zip(adam_m.back_mut().zip(adam_v.back_mut()));
+                for (((info, p), g), (m, v)) in back {
+                    b.adamw(p, g, m, v, &update(info))?;
+                }
+            }
+            Moments::Host(adam_m, adam_v) => {
+                // The host kernel is the CPU backend's, so the step is the device's, bit for
+                // bit, there.
+                let host_step = |info: &TensorInfo, p: &mut [f32], g: &[f32], at: usize| {
+                    let update = opt.update(lr, info.decay, step, grad_scale);
+                    let (bc1, bc2) = update.bias_corrections();
+                    let r = at..at + info.len;
+                    kernels::adamw(
+                        p,
+                        g,
+                        &mut adam_m[r.clone()],
+                        &mut adam_v[r],
+                        &update,
+                        bc1,
+                        bc2,
+                    );
+                };
+                let mut host_step = host_step;
+                let mut at = 0;
+                let front = self
+                    .info
+                    .front()
+                    .zip(self.params.front_mut())
+                    .zip(self.grads.front());
+                for ((info, p), g) in front {
+                    step_edge_on_host(b, p, g, |p, g| host_step(info, p, g, at))?;
+                    at += info.len;
+                }
+                for i in 0..self.info.blocks.len() {
+                    let infos = self.info.blocks[i].iter();
+                    self.blocks
+                        .step_on_host(b, i, |j, r, p, g| host_step(infos[j], p, g, at + r.start))?;
+                    at += infos.iter().map(|i| i.len).sum::<usize>();
+                }
+                let back = self
+                    .info
+                    .back()
+                    .zip(self.params.back_mut())
+                    .zip(self.grads.back());
+                for ((info, p), g) in back {
+                    step_edge_on_host(b, p, g, |p, g| host_step(info, p, g, at))?;
+                    at += info.len;
+                }
+            }
         }
+        self.optimizer_steps = step;
         Ok(())
     }
-
     /// All parameters in storage order, concatenated.
     pub fn download_params(&self) -> Result<Vec<f32>, StageError> {
-        self.download_all(&self.params)
+        self.download_all(Kind::Params)
     }
 
     /// All parameter gradients in storage order, concatenated.
     pub fn download_grads(&self) -> Result<Vec<f32>, StageError> {
-        self.download_all(&self.grads)
+        self.download_all(Kind::Grads)
     }
 
     /// Each parameter gradient with its tensor's global name.
     pub fn named_grads(&self) -> Result<Vec<(String, Vec<f32>)>, StageError> {
-        let mut out = Vec::new();
-        for (info, g) in self.info.iter().zip(self.grads.iter()) {
-            let mut host = vec![0.0; info.len];
-            self.backend.download(g, &mut host)?;
-            out.push((info.name.clone(), host));
-        }
-        Ok(out)
+        let all = self.download_grads()?;
+        let mut at = 0;
+        Ok(self
+            .info
+            .iter()
+            .map(|info| {
+                at += info.len;
+                (info.name.clone(), all[at - info.len..at].to_vec())
+            })
+            .collect())
     }
 
     /// Overwrites all parameters from a concatenation in storage order.
     pub fn upload_params(&mut self, values: &[f32]) -> Result<(), StageError> {
-        self.check_flat_len(values.len())?;
-        upload_all(&*self.backend, &self.info, &mut self.params, values)
+        self.upload_all(Kind::Params, values)
     }
 
     /// Overwrites all parameter gradients from a concatenation in storage order (e.g. after
     /// averaging them with other replicas).
     pub fn upload_grads(&mut self, values: &[f32]) -> Result<(), StageError> {
-        self.check_flat_len(values.len())?;
-        upload_all(&*self.backend, &self.info, &mut self.grads, values)
+        self.upload_all(Kind::Grads, values)
     }
 
     /// Sets the optimizer's step count where the step runs on the host (see
@@ -1168,22 +1475,66 @@ impl<B: Backend> Stage<B> {
         self.optimizer_steps = steps;
     }
 
-    fn check_flat_len(&self, len: usize) -> Result<(), StageError> {
-        let total = self.param_count();
-        if len != total {
-            return Err(self.bad_input(format!("{len} values, expected {total}")));
-        }
-        Ok(())
+    /// Where each part of a flat vector in storage order lies: the embeddings, each block,
+    /// the final norm.
+    fn flat_parts(&self) -> (usize, Vec<usize>) {
+        let front = self.info.front().map(|i| i.len).sum();
+        let blocks = self.info.blocks.iter();
+        let blocks = blocks
+            .map(|b| b.iter().iter().map(|i| i.len).sum())
+            .collect();
+        (front, blocks)
     }
 
-    fn download_all(&self, t: &StageTensors<B::Buffer>) -> Result<Vec<f32>, StageError> {
+    fn download_all(&self, kind: Kind) -> Result<Vec<f32>, StageError> {
+        let b = &*self.backend;
+        let edges = match kind {
+            Kind::Params => &self.params,
+            Kind::Grads => &self.grads,
+        };
         let mut out = vec![0.0; self.param_count()];
-        let mut offset = 0;
-        for (info, buf) in self.info.iter().zip(t.iter()) {
-            self.backend
-                .download(buf, &mut out[offset..offset + info.len])?;
-            offset += info.len;
+        let (front, blocks) = self.flat_parts();
+        let mut at = 0;
+        for (buf, info) in edges.front().zip(self.info.front()) {
+            b.download(buf, &mut out[at..at + info.len])?;
+            at += info.len;
+        }
+        debug_assert_eq!(at, front);
+        for (i, len) in blocks.into_iter().enumerate() {
+            self.blocks.read(b, i, kind, &mut out[at..at + len])?;
+            at += len;
+        }
+        for (buf, info) in edges.back().zip(self.info.back()) {
+            b.download(buf, &mut out[at..at + info.len])?;
+            at += info.len;
         }
         Ok(out)
+    }
+
+    fn upload_all(&mut self, kind: Kind, values: &[f32]) -> Result<(), StageError> {
+        let total = self.param_count();
+        if values.len() != total {
+            return Err(self.bad_input(format!("{} values, expected {total}", values.len())));
+        }
+        let b = &*self.backend;
+        let (_, blocks) = self.flat_parts();
+        let edges = match kind {
+            Kind::Params => &mut self.params,
+            Kind::Grads => &mut self.grads,
+        };
+        let mut at = 0;
+        for (buf, info) in edges.front_mut().zip(self.info.front()) {
+            b.write(buf, &values[at..at + info.len])?;
+            at += info.len;
+        }
+        for (i, len) in blocks.into_iter().enumerate() {
+            self.blocks.write(b, i, kind, &values[at..at + len])?;
+            at += len;
+        }
+        for (buf, info) in edges.back_mut().zip(self.info.back()) {
+            b.write(buf, &values[at..at + info.len])?;
+            at += info.len;
+        }
+        Ok(())
     }
 }

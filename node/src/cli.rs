@@ -432,6 +432,11 @@ pub struct TrainArgs {
     /// less device memory for a block's forward pass more compute, same gradients.
     #[arg(long)]
     pub recompute: bool,
+    /// The most device memory each stage may hold, e.g. `60MB`: the transformer blocks'
+    /// parameters and gradients then live in host memory and come to the device a block at
+    /// a time, the optimizer steps on the host; same results, bit for bit on the CPU.
+    #[arg(long, value_parser = bytes)]
+    pub memory_limit: Option<u64>,
     /// Replicas training together, each on its share of every step's batch and its own data
     /// shard, agreeing as a swarm's replicas do (see --sync). With more than one replica, a
     /// DiLoCo sync or any codec other than fp32, training follows the swarm's arithmetic

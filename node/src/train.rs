@@ -7,7 +7,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use shoal_compute::data::TextCorpus;
 use shoal_compute::{
-    AdamW, AnyBackend, Corpus, DataLoader, LocalPipeline, LrSchedule, MemoryUse, Shard, StageSpec,
+    AdamW, AnyBackend, Corpus, DataLoader, LocalPipeline, LrSchedule, MemoryUse, OffloadTraffic,
+    Shard, StageSpec,
 };
 use shoal_protocol::Codec;
 use shoal_protocol::swarm::SyncMode;
@@ -50,6 +51,11 @@ pub struct TrainReport {
     /// and by kind at that moment.
     pub device_memory_peak_bytes: Vec<u64>,
     pub device_memory_peak: Vec<MemoryUse>,
+    /// `--memory-limit`, and the bytes each stage moved between host and device under it
+    /// (parameters and gradients of offloaded blocks, both ways).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_limit_bytes: Option<u64>,
+    pub offloaded_bytes: Vec<u64>,
     /// Replicas, and how they were kept together and what they sent (`--replicas`, `--sync`
     /// and the codecs; absent for one model trained alone).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -165,13 +171,14 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         .iter()
         .any(|c| *c != Codec::Fp32);
     let pipeline = || -> anyhow::Result<LocalPipeline<AnyBackend>> {
-        let mut p = LocalPipeline::new(
+        let mut p = LocalPipeline::with_memory_limit(
             backend.clone(),
             config,
             args.stages,
             args.seed,
             AdamW::default(),
             schedule,
+            args.memory_limit,
         )?;
         p.set_recompute(args.recompute)?;
         Ok(p)
@@ -265,16 +272,24 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         .iter()
         .map(|s| s.memory().peak)
         .collect();
+    let offloaded: Vec<OffloadTraffic> = trainer
+        .pipeline()
+        .stages()
+        .iter()
+        .map(|s| s.offload_traffic())
+        .collect();
     let held_out_loss = {
-        const EVAL_BATCH: usize = 32;
+        // Batches no larger than the training's microbatches (what a memory limit was set
+        // for), a power of two so they divide the held-out samples.
+        let eval_batch = 1 << microbatch.clamp(1, 32).ilog2();
         let mut sum = 0.0;
-        for _ in 0..HELD_OUT_SAMPLES / EVAL_BATCH {
+        for _ in 0..HELD_OUT_SAMPLES / eval_batch {
             sum += f64::from(trainer.pipeline().evaluate_via(
-                &held_out.next_batch(EVAL_BATCH),
+                &held_out.next_batch(eval_batch),
                 &mut Projection(args.activation_codec),
             )?);
         }
-        sum / (HELD_OUT_SAMPLES / EVAL_BATCH) as f64
+        sum / (HELD_OUT_SAMPLES / eval_batch) as f64
     };
 
     println!(
@@ -294,13 +309,30 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         );
     }
     println!(
-        "device memory at its peak, by stage: {}",
+        "device memory at its peak, by stage: {}{}",
         memory
             .iter()
             .map(|m| report::size(m.total()))
             .collect::<Vec<_>>()
-            .join(", ")
+            .join(", "),
+        args.memory_limit
+            .map(|l| format!(" (limit {})", report::size(l)))
+            .unwrap_or_default()
     );
+    if args.memory_limit.is_some() {
+        println!(
+            "offloaded blocks moved, by stage: {}",
+            offloaded
+                .iter()
+                .map(|t| format!(
+                    "{} to the device, {} back",
+                    report::size(t.uploaded),
+                    report::size(t.downloaded)
+                ))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+    }
     let swarm = match &trainer {
         Trainer::Swarm(r) => {
             let Traffic { bytes, fp32_bytes } = r.traffic();
@@ -345,6 +377,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             loss_curve,
             device_memory_peak_bytes: memory.iter().map(MemoryUse::total).collect(),
             device_memory_peak: memory,
+            memory_limit_bytes: args.memory_limit,
+            offloaded_bytes: offloaded
+                .iter()
+                .map(|t| t.uploaded + t.downloaded)
+                .collect(),
             swarm,
         };
         report::write_json(path, &report)?;

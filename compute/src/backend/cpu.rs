@@ -17,8 +17,7 @@ pub struct CpuBackend {
 
 /// Rows handed to one rayon task in row-parallel kernels: enough work to amortise scheduling.
 const ROWS_PER_TASK: usize = 16;
-/// Values handed to one rayon task in elementwise kernels.
-const VALUES_PER_TASK: usize = 1 << 14;
+use kernels::VALUES_PER_TASK;
 
 impl CpuBackend {
     /// A backend with `threads` worker threads (0: one per available core).
@@ -251,11 +250,14 @@ impl Backend for CpuBackend {
     }
 
     fn sum_squares(&self, buf: &Vec<f32>) -> Result<f64> {
-        Ok(self.run(|| {
+        // Partial sums added in order (rayon's reduction tree varies from run to run), as
+        // `kernels::sum_squares_chunked` adds them on the host.
+        let partials: Vec<f64> = self.run(|| {
             buf.par_chunks(VALUES_PER_TASK)
                 .map(kernels::sum_squares)
-                .sum()
-        }))
+                .collect()
+        });
+        Ok(partials.into_iter().sum())
     }
 
     fn embedding_forward(

@@ -140,6 +140,16 @@ multiversion! {
     }
 }
 
+/// Values in one partial sum of [`sum_squares_chunked`] (and one rayon task of the CPU
+/// backend's elementwise kernels).
+pub(crate) const VALUES_PER_TASK: usize = 1 << 14;
+
+/// Sum of squares of `x` as the CPU backend computes it: partial sums of
+/// [`VALUES_PER_TASK`] values added in order, so the host and the backend agree bit for bit.
+pub(crate) fn sum_squares_chunked(x: &[f32]) -> f64 {
+    x.chunks(VALUES_PER_TASK).map(sum_squares).sum()
+}
+
 pub(crate) const LAYERNORM_EPS: f32 = 1e-5;
 
 multiversion! {

@@ -22,6 +22,13 @@ pub(super) struct BlockActs<B: Backend> {
 }
 
 impl<B: Backend> BlockActs<B> {
+    /// Values one block's activations of `shape` hold: 15 width-sized values, 4 per-token
+    /// statistics and the attention matrix per token.
+    pub(super) fn values_for(config: &ModelConfig, shape: MicrobatchShape) -> usize {
+        let (n, c) = (shape.tokens(), config.width);
+        15 * n * c + 4 * n + attention_shape(config, shape).probs_len()
+    }
+
     /// Buffers for one block's activations of `shape`.
     pub(super) fn alloc(
         b: &B,

@@ -16,6 +16,11 @@ pub struct Residency {
     /// AdamW's moments on the host
     /// ([`Stage::new_stepped_on_host`](super::Stage::new_stepped_on_host)).
     pub moments_on_host: bool,
+    /// The blocks' parameters and gradients on the host, two blocks on the device at a time
+    /// (the one computing and the next, fetched ahead), the moments on the host: the least a
+    /// stage under a memory limit ([`Stage::with_memory_limit`](super::Stage::with_memory_limit))
+    /// needs to run at full speed.
+    pub offload: bool,
 }
 
 /// Which slice of the model a stage is: stage `index` of `count`.
@@ -81,6 +86,7 @@ impl StageSpec {
         let held = Residency {
             recompute: false,
             moments_on_host: true,
+            offload: false,
         };
         self.device_memory_bytes(config, rows, seq, in_flight, held)
             + 16 * self.param_count(config) as u64
@@ -88,7 +94,8 @@ impl StageSpec {
 
     /// Device memory (bytes) a [`Stage`](super::Stage) of this spec holds at most with
     /// `in_flight` microbatches of `rows` x `seq` tokens awaiting their backward pass:
-    /// parameters and gradients (and AdamW's two moments unless `held.moments_on_host`), the
+    /// parameters and gradients (and AdamW's two moments unless `held.moments_on_host` or
+    /// `held.offload`; with `held.offload`, of the embeddings and two blocks only), the
     /// activations each microbatch keeps and the backward pass's workspace. A block's
     /// activations are 15 width-sized values, 4 per-token statistics and the attention matrix
     /// per token, and its output; with `held.recompute` a microbatch keeps only the outputs,
@@ -103,9 +110,15 @@ impl StageSpec {
         held: Residency,
     ) -> u64 {
         let (c, heads, vocab) = (config.width, config.heads, config.vocab);
-        let copies = if held.moments_on_host { 2 } else { 4 };
-        let state = copies * self.param_count(config);
         let blocks = self.blocks(config).len();
+        let state = if held.offload {
+            let on_device = blocks.min(2) * config.block_params();
+            2 * (self.param_count(config) - blocks * config.block_params() + on_device)
+        } else if held.moments_on_host {
+            2 * self.param_count(config)
+        } else {
+            4 * self.param_count(config)
+        };
         let tokens = rows * seq;
         let block_acts = tokens * (15 * c + 4 + heads * seq);
         let mut per_microbatch = tokens * c + blocks * tokens * c;

@@ -15,7 +15,7 @@
 use shoal_compute::backend::{AdamWUpdate, AttentionShape, MatmulShape, RowShape};
 use shoal_compute::rng::Rng;
 use shoal_compute::stage::{MicrobatchShape, StageInput, StageOutput};
-use shoal_compute::{AdamW, Backend, CpuBackend, Preset, Stage, StageSpec};
+use shoal_compute::{AdamW, Backend, CpuBackend, Preset, Residency, Stage, StageSpec};
 use std::sync::Arc;
 
 /// Runs operation `$op` (a generic function of this module) on the CPU and on the backend
@@ -106,7 +106,19 @@ macro_rules! agreement_tests {
             let Some(b) = $get() else { return };
             for index in 0..3 {
                 let spec = StageSpec { index, count: 3 };
-                agreement::check_stage_with(b.clone(), Preset::Nano, spec, true);
+                agreement::check_stage_with(b.clone(), Preset::Nano, spec, agreement::Held::RECOMPUTE);
+            }
+        }
+
+        /// A stage under a device memory limit, its blocks moving between host and device
+        /// and its optimizer stepping on the host, computes what an unlimited one does.
+        #[test]
+        $(#[$attr])*
+        fn stages_under_a_memory_limit_agree() {
+            let Some(b) = $get() else { return };
+            for index in 0..2 {
+                let spec = StageSpec { index, count: 2 };
+                agreement::check_stage_with(b.clone(), Preset::Micro, spec, agreement::Held::OFFLOAD);
             }
         }
 
@@ -344,19 +356,47 @@ pub fn cross_entropy<B: Backend>(b: &B) -> Vec<Vec<f32>> {
 
 pub const LR: f32 = 1e-3;
 
-/// Forward, backward and one AdamW step of stage `spec` of `preset` (`recompute`: activations
-/// recomputed in the backward pass): the output (activations or loss), the input gradient,
-/// the parameter gradients and the parameters after the step.
+/// How a stage holds what it trains with, in [`stage_step`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Held {
+    /// Activations recomputed in the backward pass.
+    pub recompute: bool,
+    /// Under a memory limit one block short of all its blocks: blocks move between host and
+    /// device, the optimizer steps on the host.
+    pub offload: bool,
+}
+
+impl Held {
+    pub const RECOMPUTE: Held = Held {
+        recompute: true,
+        offload: false,
+    };
+    pub const OFFLOAD: Held = Held {
+        recompute: true,
+        offload: true,
+    };
+}
+
+/// Forward, backward and one AdamW step of stage `spec` of `preset`, held as `held` says: the
+/// output (activations or loss), the input gradient, the parameter gradients and the
+/// parameters after the step.
 pub fn stage_step<B: Backend>(
     backend: Arc<B>,
     preset: Preset,
     spec: StageSpec,
-    recompute: bool,
+    held: Held,
 ) -> Vec<Vec<f32>> {
     let config = preset.config();
-    let mut stage = Stage::new(backend, config, spec, 42).unwrap();
-    stage.set_recompute(recompute).unwrap();
     let shape = MicrobatchShape { batch: 2, seq: 32 };
+    let residency = Residency {
+        recompute: held.recompute,
+        moments_on_host: true,
+        offload: false,
+    };
+    let all = spec.device_memory_bytes(&config, shape.batch, shape.seq, 1, residency);
+    let limit = held.offload.then(|| all - 8 * config.block_params() as u64);
+    let mut stage = Stage::with_memory_limit(backend, config, spec, 42, false, limit).unwrap();
+    stage.set_recompute(held.recompute).unwrap();
     let rows = shape.batch * shape.seq;
     let toks = tokens(32, rows, config.vocab as u32);
     let targets = tokens(33, rows, config.vocab as u32);
@@ -378,23 +418,26 @@ pub fn stage_step<B: Backend>(
         .unwrap_or_default();
     let grads = stage.download_grads().unwrap();
     stage.apply_optimizer(&AdamW::default(), LR, 1.0).unwrap();
+    if let Some(limit) = limit {
+        let peak = stage.memory().peak.total();
+        assert!(peak <= limit, "held {peak} bytes under a limit of {limit}");
+        assert!(
+            stage.offload_traffic().downloaded > 0,
+            "no block left the device"
+        );
+    }
     vec![out, dinp, grads, stage.download_params().unwrap()]
 }
 
 pub fn check_stage<B: Backend>(backend: Arc<B>, preset: Preset, spec: StageSpec) {
-    check_stage_with(backend, preset, spec, false);
+    check_stage_with(backend, preset, spec, Held::default());
 }
 
-/// [`check_stage`], the backend recomputing activations in the backward pass or not (the
-/// reference keeps them).
-pub fn check_stage_with<B: Backend>(
-    backend: Arc<B>,
-    preset: Preset,
-    spec: StageSpec,
-    recompute: bool,
-) {
-    let reference = stage_step(Arc::new(cpu()), preset, spec, false);
-    let other = stage_step(backend, preset, spec, recompute);
+/// [`check_stage`], the backend holding the stage as `held` says (the reference keeps
+/// everything on the device).
+pub fn check_stage_with<B: Backend>(backend: Arc<B>, preset: Preset, spec: StageSpec, held: Held) {
+    let reference = stage_step(Arc::new(cpu()), preset, spec, Held::default());
+    let other = stage_step(backend, preset, spec, held);
     let names = ["output", "input gradient", "parameter gradients"];
     for (i, name) in names.iter().enumerate() {
         let d = rel_diff(&reference[i], &other[i]);
