@@ -91,7 +91,21 @@ impl<B: Backend> StageReplica<B> {
         optimizer: AdamW,
         schedule: LrSchedule,
     ) -> Result<Self, StageError> {
-        let stage = Stage::new_stepped_on_host(backend, config, spec, seed)?;
+        Self::with_memory_limit(backend, config, spec, seed, optimizer, schedule, None)
+    }
+
+    /// [`StageReplica::new`] holding at most `limit` bytes of device memory, its blocks in
+    /// host memory where they do not fit (see [`Stage::with_memory_limit`]).
+    pub fn with_memory_limit(
+        backend: Arc<B>,
+        config: ModelConfig,
+        spec: StageSpec,
+        seed: u64,
+        optimizer: AdamW,
+        schedule: LrSchedule,
+        limit: Option<u64>,
+    ) -> Result<Self, StageError> {
+        let stage = Stage::with_memory_limit(backend, config, spec, seed, true, limit)?;
         let anchor = stage.download_params()?;
         Ok(StageReplica {
             adam_m: vec![0.0; anchor.len()],

@@ -21,6 +21,10 @@ pub struct DeviceProfile {
     pub flops: f64,
     /// Bytes a stage may use.
     pub memory: u64,
+    /// Bytes per second between host memory and the device (PCIe 4.0 x16 moves about 25 GB/s
+    /// in practice, 3.0 x16 about 12); 0 where the device computes in host memory (a CPU,
+    /// unified memory), so that offloading to the host frees nothing.
+    pub host_link: f64,
     /// Fixed cost of any job.
     pub job_overhead: Duration,
     /// Where the figures come from.
@@ -30,11 +34,12 @@ pub struct DeviceProfile {
 const GIB: u64 = 1 << 30;
 
 /// The device presets.
-pub const DEVICES: [DeviceProfile; 8] = [
+pub const DEVICES: [DeviceProfile; 10] = [
     DeviceProfile {
         name: "cpu",
         flops: 0.15e12,
         memory: 16 * GIB,
+        host_link: 0.0,
         job_overhead: Duration::from_micros(50),
         note: "8-core AVX2 desktop, shoal's CPU backend (gemm), 16 GiB for the stage",
     },
@@ -42,6 +47,7 @@ pub const DEVICES: [DeviceProfile; 8] = [
         name: "t4",
         flops: 4.0e12,
         memory: 15 * GIB,
+        host_link: 12e9,
         job_overhead: Duration::from_micros(300),
         note: "NVIDIA T4: 8.1 TFLOP/s fp32 peak x 0.5; 16 GB",
     },
@@ -49,6 +55,7 @@ pub const DEVICES: [DeviceProfile; 8] = [
         name: "rtx3090",
         flops: 17.8e12,
         memory: 23 * GIB,
+        host_link: 25e9,
         job_overhead: Duration::from_micros(200),
         note: "NVIDIA RTX 3090: 35.6 TFLOP/s fp32 peak x 0.5; 24 GB",
     },
@@ -56,6 +63,7 @@ pub const DEVICES: [DeviceProfile; 8] = [
         name: "rtx4090",
         flops: 41.3e12,
         memory: 23 * GIB,
+        host_link: 25e9,
         job_overhead: Duration::from_micros(150),
         note: "NVIDIA RTX 4090: 82.6 TFLOP/s fp32 peak x 0.5; 24 GB",
     },
@@ -63,6 +71,7 @@ pub const DEVICES: [DeviceProfile; 8] = [
         name: "a100",
         flops: 9.7e12,
         memory: 78 * GIB,
+        host_link: 25e9,
         job_overhead: Duration::from_micros(150),
         note: "NVIDIA A100 80GB: 19.5 TFLOP/s fp32 (no TF32) peak x 0.5",
     },
@@ -70,6 +79,7 @@ pub const DEVICES: [DeviceProfile; 8] = [
         name: "h100",
         flops: 33.5e12,
         memory: 78 * GIB,
+        host_link: 50e9,
         job_overhead: Duration::from_micros(100),
         note: "NVIDIA H100 SXM: 67 TFLOP/s fp32 (no TF32) peak x 0.5; 80 GB",
     },
@@ -77,6 +87,7 @@ pub const DEVICES: [DeviceProfile; 8] = [
         name: "m2-max",
         flops: 6.8e12,
         memory: 24 * GIB,
+        host_link: 0.0,
         job_overhead: Duration::from_micros(300),
         note: "Apple M2 Max 38-core GPU: 13.6 TFLOP/s fp32 peak x 0.5; 3/4 of 32 GB unified",
     },
@@ -84,10 +95,59 @@ pub const DEVICES: [DeviceProfile; 8] = [
         name: "rx7900xtx",
         flops: 21.5e12,
         memory: 23 * GIB,
+        host_link: 25e9,
         job_overhead: Duration::from_micros(200),
         note: "AMD RX 7900 XTX: 61.4 TFLOP/s fp32 dual-issue peak x 0.35; 24 GB",
     },
+    DeviceProfile {
+        name: "rtx3060",
+        flops: 6.4e12,
+        memory: 11 * GIB,
+        host_link: 25e9,
+        job_overhead: Duration::from_micros(200),
+        note: "NVIDIA RTX 3060: 12.7 TFLOP/s fp32 peak x 0.5; 12 GB; PCIe 4.0 x16",
+    },
+    DeviceProfile {
+        name: "gtx1650",
+        flops: 1.5e12,
+        memory: 3 * GIB + GIB / 2,
+        host_link: 12e9,
+        job_overhead: Duration::from_micros(300),
+        note: "NVIDIA GTX 1650: 3.0 TFLOP/s fp32 peak x 0.5; 4 GB; PCIe 3.0 x16",
+    },
 ];
+
+/// What a stage costs a device that cannot hold all of it and keeps its blocks in host
+/// memory, bringing each to the device when a pass needs it (as `Stage::with_memory_limit`
+/// does; the copies are not overlapped with compute in this model, which is what the
+/// backends do today).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StageOffload {
+    /// Device bytes the stage needs with every block on the device.
+    pub resident: u64,
+    /// Parameters of one block.
+    pub block_params: u64,
+    /// Blocks in the stage.
+    pub blocks: u64,
+}
+
+impl StageOffload {
+    /// Bytes a forward and a backward pass move between host and device on a device with
+    /// `memory` bytes: the blocks that do not fit (it keeps two at least) come in for each
+    /// pass, their parameters forward, parameters and gradients backward, and the gradients
+    /// go back.
+    pub fn traffic(&self, memory: u64) -> (u64, u64) {
+        if memory == 0 || memory >= self.resident || self.blocks <= 2 {
+            return (0, 0);
+        }
+        let block = 8 * self.block_params;
+        let streamed = (self.resident - memory)
+            .div_ceil(block.max(1))
+            .min(self.blocks - 2);
+        let values = streamed * self.block_params;
+        (4 * values, 12 * values)
+    }
+}
 
 impl DeviceProfile {
     /// The preset called `name`.
@@ -95,8 +155,15 @@ impl DeviceProfile {
         crate::preset(&DEVICES, name, "device", |d| d.name)
     }
 
-    /// How long `job` takes on this device for a peer serving `stage`.
-    pub fn job_time(&self, job: &Job, stage: Option<u32>, costs: &StageCosts) -> Duration {
+    /// How long `job` takes on this device for a peer serving `stage` (`offload`: what that
+    /// stage costs where it does not fit, see [`StageOffload`]).
+    pub fn job_time(
+        &self,
+        job: &Job,
+        stage: Option<u32>,
+        costs: &StageCosts,
+        offload: Option<&StageOffload>,
+    ) -> Duration {
         let s = stage.unwrap_or(0) as usize;
         let per_sample = costs.flops_per_sample.get(s).copied().unwrap_or(0.0);
         let params = costs.params.get(s).copied().unwrap_or(0) as f64;
@@ -114,7 +181,21 @@ impl DeviceProfile {
             | Job::Checkpoint { .. } => 2.0 * params,
             Job::Commit { .. } | Job::Abort { .. } => 0.0,
         };
-        self.job_overhead + Duration::from_secs_f64(flops / self.flops)
+        let (forward, backward) = match (offload, self.host_link > 0.0) {
+            (Some(o), true) => o.traffic(self.memory),
+            _ => (0, 0),
+        };
+        let moved = match job {
+            Job::Forward { .. } => forward,
+            Job::Backward { .. } => backward,
+            _ => 0,
+        };
+        let copies = if moved > 0 {
+            moved as f64 / self.host_link
+        } else {
+            0.0
+        };
+        self.job_overhead + Duration::from_secs_f64(flops / self.flops + copies)
     }
 }
 
@@ -139,6 +220,7 @@ mod tests {
             params: vec![1000],
             activation_values: 8,
             memory: vec![0],
+            offload_memory: vec![0],
             microbatch_memory: vec![0],
             param_scale: 1,
         };
@@ -149,7 +231,17 @@ mod tests {
             sample: 0,
             input: shoal_protocol::swarm::Input::Tokens,
         };
-        let t = d.job_time(&fwd, Some(0), &costs) - d.job_overhead;
+        let t = d.job_time(&fwd, Some(0), &costs, None) - d.job_overhead;
         assert!((t.as_secs_f64() - 4.0 * 1e9 / 4.0e12).abs() < 1e-9);
+        // Offloading: the blocks that do not fit cross the host link (12 GB/s on a T4).
+        let offload = StageOffload {
+            resident: d.memory + 8_000_000_000,
+            block_params: 1_000_000_000,
+            blocks: 4,
+        };
+        assert_eq!(offload.traffic(d.memory), (4_000_000_000, 12_000_000_000));
+        assert_eq!(offload.traffic(offload.resident), (0, 0));
+        let t = d.job_time(&fwd, Some(0), &costs, Some(&offload)) - d.job_overhead;
+        assert!((t.as_secs_f64() - 4.0 * 1e9 / 4.0e12 - 4.0 / 12.0).abs() < 1e-9);
     }
 }

@@ -125,6 +125,14 @@ pub struct PeerGroup {
     /// Honest until then, simulated seconds.
     #[serde(default)]
     pub behavior_from_s: f64,
+    /// Whether they keep a stage's blocks in host memory when their device cannot hold it
+    /// (default: where the device has a host link to offload over, see `DeviceProfile`).
+    #[serde(default = "yes")]
+    pub offload: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// What a scripted event does.
@@ -229,6 +237,8 @@ pub struct Group {
     pub behavior: Behavior,
     /// When the behavior starts (honest before).
     pub behavior_from_s: f64,
+    /// They offload blocks to host memory where their device cannot hold a stage.
+    pub offload: bool,
 }
 
 /// A scripted event resolved to profiles.
@@ -364,6 +374,7 @@ impl Scenario {
                 stage: None,
                 behavior: Behavior::Honest,
                 behavior_from_s: 0.0,
+                offload: true,
             })
         };
         let mut groups = Vec::new();
@@ -383,6 +394,7 @@ impl Scenario {
                 g.behavior = b.parse().map_err(|e| format!("{what}: behavior {e}"))?;
             }
             g.behavior_from_s = time(p.behavior_from_s, &what)?;
+            g.offload = p.offload;
             groups.push(g);
         }
         let mut events = Vec::new();

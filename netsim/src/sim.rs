@@ -12,12 +12,12 @@
 //! Over 900 lines, kept whole: it is the event loop and the one `Ev` match the others feed.
 //! What measures a run is in `measure.rs`, the gossip mesh in `mesh.rs`.
 
-use crate::device::DeviceProfile;
+use crate::device::{DeviceProfile, StageOffload};
 use crate::link::{AccessLink, deliver};
 use crate::modelled::ModelledStage;
 use crate::report::{Recovery, Report};
 use crate::scenario::{Compute, EventKind, Group, Setup};
-use shoal_compute::{Corpus, CpuBackend};
+use shoal_compute::{Corpus, CpuBackend, ModelConfig, Residency, StageSpec};
 use shoal_protocol::swarm::attack::{Attack, Behavior};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
@@ -252,6 +252,8 @@ pub struct Sim {
     setup: Setup,
     config: RunConfig,
     run: RunId,
+    /// What each stage costs a device that cannot hold it and offloads its blocks.
+    offload: Vec<StageOffload>,
     /// The model's costs: what the device model times jobs by.
     costs: StageCosts,
     /// What peers are told and carry: the model's, but for modelled compute's scaled-down
@@ -304,6 +306,36 @@ pub struct Sim {
     log_events: bool,
 }
 
+/// What each stage of `config` costs a device that offloads it (see [`StageOffload`]): its
+/// device memory with the window of microbatches the protocol budgets for, all blocks held.
+fn stage_offload(config: &RunConfig, model: &ModelConfig, timing: &Timing) -> Vec<StageOffload> {
+    let in_flight = (timing.in_flight_per_stage * config.stages) as usize;
+    let held = Residency {
+        moments_on_host: true,
+        ..Residency::default()
+    };
+    (0..config.stages as usize)
+        .map(|index| {
+            let spec = StageSpec {
+                index,
+                count: config.stages as usize,
+            };
+            let rows = config.microbatch as usize;
+            StageOffload {
+                resident: spec.device_memory_bytes(
+                    model,
+                    rows,
+                    config.seq as usize,
+                    in_flight,
+                    held,
+                ),
+                block_params: model.block_params() as u64,
+                blocks: spec.blocks(model).len() as u64,
+            }
+        })
+        .collect()
+}
+
 impl Sim {
     /// A simulation of `setup` from `seed`.
     pub fn new(setup: Setup, seed: u64) -> Result<Sim, String> {
@@ -311,6 +343,7 @@ impl Sim {
         let model = model_of(&config)?;
         let timing = Timing::default();
         let costs = stage_costs(&config, &model, &timing);
+        let offload = stage_offload(&config, &model, &timing);
         let peer_costs = match setup.compute {
             Compute::Real => costs.clone(),
             Compute::Modelled => scaled_down(&costs, setup.sim.modelled_tensor_values),
@@ -320,6 +353,7 @@ impl Sim {
             run: config.run_id(),
             config,
             costs,
+            offload,
             peer_costs,
             timing,
             backend,
@@ -568,6 +602,7 @@ impl Sim {
                 self.now_d(),
             );
             machine.set_memory(group.device.memory);
+            machine.set_offloads(group.offload && group.device.host_link > 0.0);
             machine.set_routing(self.setup.routing);
             if let Some(stage) = group.stage {
                 machine.set_first_stage(stage);
@@ -927,7 +962,9 @@ impl Sim {
                 }
                 Action::Compute(job) => {
                     let p = &mut self.peers[i];
-                    let took = p.device.job_time(&job, p.machine.stage(), &self.costs);
+                    let stage = p.machine.stage();
+                    let offload = stage.and_then(|s| self.offload.get(s as usize));
+                    let took = p.device.job_time(&job, stage, &self.costs, offload);
                     let done = p.worker.run(job);
                     let start = p.busy_until.max(secs(self.now));
                     p.busy_until = start + took.as_secs_f64();

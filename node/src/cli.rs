@@ -222,9 +222,15 @@ pub struct RunArgs {
     pub device: DeviceArgs,
     /// The device memory a stage may use, e.g. `8GB` or `7.5GiB` (default: what the device
     /// reports: a CUDA device's memory, the host's for the CPU; wgpu cannot tell, so state it
-    /// there). The swarm gives this peer only stages that fit.
+    /// there). The swarm gives this peer only stages that fit, resident or, on a GPU with
+    /// enough host memory, with the blocks that do not fit kept in host memory.
     #[arg(long, value_parser = bytes)]
     pub device_memory: Option<u64>,
+    /// Caps the device memory this peer's stage holds, e.g. `2GB`, on any backend: the
+    /// blocks that do not fit live in host memory and come to the device a block at a time
+    /// (the same numbers, more time). The swarm counts this as the device's memory.
+    #[arg(long, value_parser = bytes)]
+    pub memory_limit: Option<u64>,
     /// The key file of this peer's identity (created on first run, owner-only).
     #[arg(long)]
     pub identity: Option<PathBuf>,

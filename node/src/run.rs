@@ -3,8 +3,9 @@
 //! network, finished compute, the clock, Ctrl-C) and carries out what it asks (send, gossip,
 //! compute), keeping counts for the progress line and the report.
 //!
-//! Just over 900 lines, kept whole: most of it is the one `select!` loop that owns the
-//! peer's state; the report, the progress line and the stall check live in their own types.
+//! Close to 900 lines, kept whole: most of it is the one `select!` loop that owns the peer's
+//! state; the compute thread, the report, the progress line and the stall check live in
+//! their own modules.
 
 use crate::cli::RunArgs;
 use crate::report;
@@ -12,30 +13,32 @@ use anyhow::{Context, bail};
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
 use shoal_compute::data::TextCorpus;
-use shoal_compute::{AnyBackend, Corpus};
+use shoal_compute::{Corpus, StageSpec};
 use shoal_node::net::{self, GossipCheck, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
-    Action, ComputeDone, DataSource, Envelope, Event, Job, Message, Peer, PeerKey, Resume,
-    RunConfig, RunId, Timing,
+    Action, ComputeDone, DataSource, Envelope, Event, Message, Peer, PeerKey, Resume, RunConfig,
+    RunId, Timing,
 };
 use shoal_protocol::{FrameKind, TrafficCodecs};
 use shoal_worker::{StageWorker, model_of, stage_costs};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 mod checkpoint;
+mod compute;
 mod progress;
 mod run_report;
 
 /// Peers remembered as answered directly (see the run loop); forgotten all at once beyond it.
 const MAX_ANSWERED_DIRECTLY: usize = 4096;
 
-use checkpoint::{Checkpoint, check_run_config, load_checkpoint, save_checkpoint};
+use checkpoint::{check_run_config, load_checkpoint};
+use compute::{MemoryTally, Worker, WorkerMsg, spawn_worker};
 use progress::{Progress, Stall};
 use run_report::RunReport;
 
@@ -43,7 +46,7 @@ use run_report::RunReport;
 fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
     let model = args.preset.config();
     let seq = args.seq.unwrap_or(model.context);
-    shoal_compute::StageSpec::check_pipeline(&model, args.stages, seq)
+    StageSpec::check_pipeline(&model, args.stages, seq)
         .with_context(|| format!("--stages {} --seq {seq}", args.stages))?;
     let data = match &args.data {
         None => DataSource::Synthetic,
@@ -79,90 +82,6 @@ fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
     };
     config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(config)
-}
-
-/// The compute thread's state: the stage worker, and where checkpoints go.
-struct Worker {
-    stage: StageWorker<AnyBackend>,
-    config: RunConfig,
-    checkpoint_dir: Option<PathBuf>,
-    /// Rest after each job for its duration times this (0: never rest; `--duty-cycle`).
-    rest_per_busy: f64,
-    /// The most device memory a stage of this peer held (bytes), for the report.
-    memory_peak: Arc<AtomicU64>,
-}
-
-impl Worker {
-    fn run(&mut self, job: Job) -> ComputeDone {
-        match job {
-            Job::Checkpoint { step, round } => match self.checkpoint(step, round) {
-                Ok(()) => ComputeDone::Done,
-                Err(e) => ComputeDone::Failed {
-                    error: format!("{e:#}"),
-                },
-            },
-            job => {
-                let done = self.stage.run(job);
-                if let Some(r) = self.stage.replica() {
-                    let peak = r.stage().memory().peak.total();
-                    self.memory_peak.fetch_max(peak, Ordering::Relaxed);
-                }
-                done
-            }
-        }
-    }
-
-    fn checkpoint(&mut self, step: u64, round: u64) -> anyhow::Result<()> {
-        let (Some(dir), Some(r)) = (self.checkpoint_dir.clone(), self.stage.replica()) else {
-            return Ok(());
-        };
-        let ckpt = Checkpoint {
-            config: self.config.clone(),
-            stage: r.spec().index as u32,
-            step,
-            round,
-            state: r.export_state()?,
-        };
-        save_checkpoint(&dir, &ckpt)
-    }
-}
-
-enum WorkerMsg {
-    Job(Job),
-    /// Checkpoint now (shutdown) and report when written.
-    Checkpoint(u64, u64, std::sync::mpsc::Sender<anyhow::Result<()>>),
-}
-
-fn spawn_worker(
-    mut worker: Worker,
-    done: mpsc::UnboundedSender<ComputeDone>,
-) -> std::sync::mpsc::Sender<WorkerMsg> {
-    let (tx, rx) = std::sync::mpsc::channel::<WorkerMsg>();
-    std::thread::Builder::new()
-        .name("shoal-compute".into())
-        .spawn(move || {
-            while let Ok(msg) = rx.recv() {
-                match msg {
-                    WorkerMsg::Job(job) => {
-                        let started = Instant::now();
-                        let result = worker.run(job);
-                        if worker.rest_per_busy > 0.0 {
-                            // Resting before reporting done keeps the device idle and makes
-                            // the scheduler measure the throughput this peer really gives.
-                            std::thread::sleep(started.elapsed().mul_f64(worker.rest_per_busy));
-                        }
-                        if done.send(result).is_err() {
-                            return;
-                        }
-                    }
-                    WorkerMsg::Checkpoint(step, round, reply) => {
-                        let _ = reply.send(worker.checkpoint(step, round));
-                    }
-                }
-            }
-        })
-        .unwrap_or_else(|e| panic!("cannot start the compute thread: {e}"));
-    tx
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -351,26 +270,49 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     }
     let backend = Arc::new(args.device.open()?);
     let backend_name = shoal_compute::Backend::name(&*backend);
-    let device_memory = args.device_memory.or_else(|| backend.memory_capacity());
+    let device_memory = args
+        .memory_limit
+        .or(args.device_memory)
+        .or_else(|| backend.memory_capacity());
+    // Offloading to the host frees device memory only where the device is not the host; a
+    // stated limit is honoured on any backend (it is how CPU and lavapipe test it).
+    let hosts_any_stage = shoal_compute::memory::host_memory()
+        .is_some_and(|host| host >= shoal_worker::offloaded_host_bytes(&config, &model));
+    let offloads = args.memory_limit.is_some()
+        || (!backend.is_cpu() && device_memory.is_some() && hosts_any_stage);
     match device_memory {
-        Some(bytes) => println!("compute: {backend_name}, {}", report::size(bytes)),
+        Some(bytes) => println!(
+            "compute: {backend_name}, {}{}",
+            report::size(bytes),
+            if offloads {
+                ", blocks offloaded to host memory where a stage does not fit"
+            } else {
+                ""
+            }
+        ),
         None => println!(
             "compute: {backend_name}, memory unknown (--device-memory states it; until then \
              this peer may be given a stage its device cannot hold)"
         ),
     }
-    let memory_peak = Arc::new(AtomicU64::new(0));
+    let in_flight = (timing.in_flight_per_stage * config.stages) as usize;
+    let memory = Arc::new(MemoryTally::default());
     let mut worker = Worker {
         stage: {
             let mut w =
                 StageWorker::new(config.clone(), backend, corpus).map_err(anyhow::Error::msg)?;
             w.set_recompute(args.recompute);
+            match (args.memory_limit, device_memory) {
+                (Some(limit), _) => w.set_memory_limit(Some(limit)),
+                (None, Some(memory)) if offloads => w.set_device_memory(memory, in_flight),
+                _ => {}
+            }
             w
         },
         config: config.clone(),
         checkpoint_dir: args.checkpoint_dir.clone(),
         rest_per_busy: 1.0 / f64::from(args.duty_cycle) - 1.0,
-        memory_peak: memory_peak.clone(),
+        memory: memory.clone(),
     };
     let mut resume = None;
     if let Some(c) = checkpoint {
@@ -422,6 +364,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     if let Some(bytes) = device_memory {
         peer.set_memory(bytes);
     }
+    peer.set_offloads(offloads);
     peer.set_state_upload_limit(args.state_upload_limit.map(|mb| f64::from(mb) * 1e6));
     if let Some(stage) = args.stage {
         peer.set_first_stage(stage);
@@ -736,7 +679,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             boundary_codecs: tally.boundary_codecs,
             stage_history: tally.stage_history,
             step_samples: tally.step_samples,
-            device_memory_peak_bytes: memory_peak.load(Ordering::Relaxed),
+            device_memory_peak_bytes: memory.peak.load(Ordering::Relaxed),
+            memory_limit_bytes: Some(memory.limit.load(Ordering::Relaxed)).filter(|l| *l > 0),
+            offloaded_bytes: memory.offloaded.load(Ordering::Relaxed),
         };
         report::write_json(path, &report)?;
     }
@@ -860,6 +805,7 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
 #[cfg(test)]
 mod tests {
     use super::*;
+    use checkpoint::{Checkpoint, save_checkpoint};
     use shoal_protocol::swarm::SyncMode;
 
     fn checkpoint() -> Checkpoint {

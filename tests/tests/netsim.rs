@@ -303,6 +303,24 @@ fn a_badly_balanced_swarm_rebalances_once_per_peer() {
     assert!(table.contains("moves"), "{table}");
 }
 
+/// Devices too small for any stage serve one by keeping its blocks in host memory; told not
+/// to, none finds a stage it can hold and nothing trains.
+#[test]
+fn memory_poor_devices_serve_by_offloading() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../netsim/scenarios/offload.toml");
+    let text = std::fs::read_to_string(path).unwrap();
+    for seed in [1, 2] {
+        let r = run(&text, seed);
+        let table = r.table();
+        assert!(r.finished && r.honest_agree, "seed {seed}: {table}");
+        assert!(r.device_busy > 0.2, "seed {seed}: {table}");
+    }
+    let r = run(&text.replace("offload = true", "offload = false"), 1);
+    let table = r.table();
+    assert!(!r.finished && r.tokens == 0, "{table}");
+    assert!(table.contains("no stage fits"), "{table}");
+}
+
 /// A partition that heals: the seeds that once stalled for good (4: two replicas of a stage
 /// were left behind with each other and never followed the one that went on; 14: every
 /// replica of a stage looked late to the senders, which then sent nowhere) reach the last
@@ -378,6 +396,7 @@ fn the_shipped_scenarios_are_valid() {
             "hetero-nano",
             "home",
             "loopback",
+            "offload",
             "partition",
             "regions",
             "regions-nano",

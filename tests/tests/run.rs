@@ -499,3 +499,71 @@ fn a_joiner_keeps_its_download_when_a_source_is_killed() {
         "the joiner agrees with its stage"
     );
 }
+
+/// A peer whose `--memory-limit` cannot hold its stage (micro's last three blocks, with the
+/// window of microbatches the swarm budgets for) serves it all the same, its blocks in host
+/// memory and on the device a block at a time, within the limit, and the run trains.
+#[test]
+fn a_peer_under_a_memory_limit_serves_a_stage_it_cannot_hold() {
+    use shoal_compute::{Preset, Residency, StageSpec};
+    let _turn = ONE_SWARM_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let (config, spec) = (Preset::Micro.config(), StageSpec { index: 1, count: 2 });
+    // Two microbatches of 2 x 32 tokens in flight per stage, as the protocol budgets.
+    let device = |held| spec.device_memory_bytes(&config, 2, 32, 4, held);
+    let resident = device(Residency {
+        moments_on_host: true,
+        ..Residency::default()
+    });
+    let offloaded = device(Residency {
+        offload: true,
+        ..Residency::default()
+    });
+    let limit = (resident + offloaded) / 2;
+    assert!(offloaded < limit && limit < resident);
+
+    let dir = temp_dir("run-memory-limit");
+    let mut creator_args: Vec<String> = [
+        "--preset",
+        "micro",
+        "--stages",
+        "2",
+        "--seq",
+        "32",
+        "--global-batch",
+        "8",
+        "--microbatch",
+        "2",
+        "--max-steps",
+        "60",
+        "--stage",
+        "0",
+    ]
+    .map(String::from)
+    .to_vec();
+    creator_args.extend(["--lr".into(), "0.003".into()]);
+    let mut creator = start(&dir, "p0", &creator_args);
+    let (run_id, boot) = run_to_join(&mut creator);
+    let args: Vec<String> = ["--run", &run_id, "--bootstrap", &boot, "--stage", "1"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain(["--memory-limit".into(), limit.to_string()])
+        .collect();
+    let mut limited = start(&dir, "p1", &args);
+    assert_eq!(stage_of(&mut creator), 0);
+    assert_eq!(stage_of(&mut limited), 1);
+    let reports: Vec<(usize, Value)> = [creator, limited]
+        .iter_mut()
+        .enumerate()
+        .map(|(i, p)| (i, p.finish(LONG)))
+        .collect();
+    let r = &reports[1].1;
+    assert_eq!(r["steps"], 60, "{r}");
+    assert_eq!(r["memory_limit_bytes"], limit, "{r}");
+    let peak = r["device_memory_peak_bytes"].as_u64().unwrap();
+    assert!(peak <= limit, "held {peak} of {limit}: {r}");
+    assert!(r["offloaded_bytes"].as_u64().unwrap() > 0, "{r}");
+    verify(&reports, &run_id);
+    loss_fell(&reports, 1, "under a memory limit");
+}

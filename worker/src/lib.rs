@@ -70,6 +70,16 @@ pub fn stage_costs(config: &RunConfig, model: &ModelConfig, timing: &Timing) -> 
             .iter()
             .map(|s| s.train_memory_bytes(model, config.microbatch as usize, seq, in_flight))
             .collect(),
+        offload_memory: specs(config)
+            .iter()
+            .map(|s| {
+                let held = Residency {
+                    offload: true,
+                    ..Residency::default()
+                };
+                s.device_memory_bytes(model, config.microbatch as usize, seq, in_flight, held)
+            })
+            .collect(),
         microbatch_memory: specs(config)
             .iter()
             .map(|s| {
@@ -84,6 +94,18 @@ pub fn stage_costs(config: &RunConfig, model: &ModelConfig, timing: &Timing) -> 
     }
 }
 
+/// Host memory a replica of the run's largest stage keeps when its blocks are offloaded:
+/// AdamW's moments, the DiLoCo anchor and outer momentum, and the blocks' parameters and
+/// gradients, six fp32 copies (the embeddings' are fewer; counted all the same).
+pub fn offloaded_host_bytes(config: &RunConfig, model: &ModelConfig) -> u64 {
+    let largest = specs(config)
+        .iter()
+        .map(|s| s.param_count(model) as u64)
+        .max()
+        .unwrap_or(0);
+    24 * largest
+}
+
 /// Runs one peer's compute jobs. Checkpoint jobs are the owner's (they write files) and are
 /// answered `Done` here.
 pub struct StageWorker<B: Backend = CpuBackend> {
@@ -94,6 +116,11 @@ pub struct StageWorker<B: Backend = CpuBackend> {
     replica: Option<StageReplica<B>>,
     /// Stages recompute activations in the backward pass (see [`Stage::set_recompute`]).
     recompute: bool,
+    /// The device memory a stage may hold (see [`StageWorker::set_memory_limit`]).
+    memory_limit: Option<u64>,
+    /// The device's memory and the microbatches a stage holds at once, where stages that do
+    /// not fit it are offloaded (see [`StageWorker::set_device_memory`]).
+    device_memory: Option<(u64, usize)>,
 }
 
 impl<B: Backend> StageWorker<B> {
@@ -108,6 +135,8 @@ impl<B: Backend> StageWorker<B> {
             corpus,
             replica: None,
             recompute: false,
+            memory_limit: None,
+            device_memory: None,
         })
     }
 
@@ -117,6 +146,20 @@ impl<B: Backend> StageWorker<B> {
         self.recompute = recompute;
     }
 
+    /// Every stage built from now on holds at most `bytes` of device memory, keeping its
+    /// blocks in host memory where they do not fit (see `Stage::with_memory_limit`):
+    /// `shoal run --memory-limit`, or a device that cannot hold the stage the swarm gave it.
+    pub fn set_memory_limit(&mut self, bytes: Option<u64>) {
+        self.memory_limit = bytes;
+    }
+
+    /// A stage built from now on that would not fit `bytes` of device memory with
+    /// `in_flight` microbatches awaiting their backward pass is held under that limit, its
+    /// blocks offloaded to host memory; one that fits keeps everything on the device.
+    pub fn set_device_memory(&mut self, bytes: u64, in_flight: usize) {
+        self.device_memory = Some((bytes, in_flight));
+    }
+
     /// A fresh replica of `stage`, initialised from the run's seed.
     pub fn build(&self, stage: u32) -> Result<StageReplica<B>, String> {
         let spec = StageSpec {
@@ -124,13 +167,25 @@ impl<B: Backend> StageWorker<B> {
             count: self.config.stages as usize,
         };
         let schedule = LrSchedule::for_steps(self.config.lr, self.config.max_steps);
-        let mut r = StageReplica::new(
+        let limit = self.memory_limit.or_else(|| {
+            let (memory, in_flight) = self.device_memory?;
+            let held = Residency {
+                recompute: self.recompute,
+                moments_on_host: true,
+                offload: false,
+            };
+            let (rows, seq) = (self.config.microbatch as usize, self.config.seq as usize);
+            let need = spec.device_memory_bytes(&self.model, rows, seq, in_flight, held);
+            (need > memory).then_some(memory)
+        });
+        let mut r = StageReplica::with_memory_limit(
             self.backend.clone(),
             self.model,
             spec,
             self.config.seed,
             AdamW::default(),
             schedule,
+            limit,
         )
         .map_err(err)?;
         r.set_recompute(self.recompute).map_err(err)?;

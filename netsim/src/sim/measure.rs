@@ -140,8 +140,9 @@ impl Sim {
             grad: None,
             rows,
         };
-        (device.job_time(&forward, Some(stage), &self.costs)
-            + device.job_time(&backward, Some(stage), &self.costs))
+        let offload = self.offload.get(stage as usize);
+        (device.job_time(&forward, Some(stage), &self.costs, offload)
+            + device.job_time(&backward, Some(stage), &self.costs, offload))
         .as_secs_f64()
     }
 

@@ -54,4 +54,11 @@ pub(super) struct RunReport {
     /// The most device memory a stage of this peer held, bytes (the stages it served
     /// counted one at a time).
     pub(super) device_memory_peak_bytes: u64,
+    /// The device memory limit a stage was held under, its blocks offloaded to host memory
+    /// where they did not fit (`--memory-limit`, or a device that could not hold the stage);
+    /// absent if none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) memory_limit_bytes: Option<u64>,
+    /// Bytes those blocks moved between host and device (the most one stage replica moved).
+    pub(super) offloaded_bytes: u64,
 }

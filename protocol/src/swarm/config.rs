@@ -217,6 +217,10 @@ pub struct StageCosts {
     /// Device memory each stage needs to train (state, optimizer and the activations of the
     /// least window of microbatches in flight).
     pub memory: Vec<u64>,
+    /// Device memory each stage needs on a peer that keeps its blocks in host memory and
+    /// brings them to the device a block at a time (see `Stage::with_memory_limit`), with
+    /// the same window of microbatches; 0 where a stage cannot be offloaded.
+    pub offload_memory: Vec<u64>,
     /// Device memory one more microbatch in flight takes on each stage (its activations kept
     /// for the backward pass).
     pub microbatch_memory: Vec<u64>,
@@ -229,6 +233,19 @@ pub struct StageCosts {
 }
 
 impl StageCosts {
+    /// What each stage needs of a peer's device memory, resident or offloaded.
+    pub fn needs(&self) -> Vec<super::placement::Need> {
+        let offloaded = self.offload_memory.iter().chain(std::iter::repeat(&0));
+        self.memory
+            .iter()
+            .zip(offloaded)
+            .map(|(&resident, &offloaded)| super::placement::Need {
+                resident,
+                offloaded: if offloaded == 0 { resident } else { offloaded },
+            })
+            .collect()
+    }
+
     /// Bytes per state chunk: [`super::transfer::CHUNK_BYTES`] of the real state, so a
     /// scaled-down state (see `param_scale`) is cut into as many chunks as the real one.
     pub fn state_chunk_bytes(&self) -> usize {

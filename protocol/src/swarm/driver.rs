@@ -500,31 +500,34 @@ pub fn driver_window(
 }
 
 /// The largest window whose microbatches every stage's replicas can hold beside their state,
-/// if the drivers' windows spread evenly over a stage's replicas. A stage's `costs.memory`
-/// already holds `floor` microbatches.
+/// if the drivers' windows spread evenly over a stage's replicas. A stage's need (resident,
+/// or offloaded on a replica that offloads it) already holds `floor` microbatches.
 fn memory_window(placements: &[Placement], costs: &StageCosts, floor: usize) -> usize {
     let drivers = placements.iter().filter(|p| p.stage == 0).count().max(1) as u64;
     let mut window = u64::MAX;
-    for (stage, (&need, &per)) in costs
-        .memory
-        .iter()
+    for (stage, (need, &per)) in costs
+        .needs()
+        .into_iter()
         .zip(&costs.microbatch_memory)
         .enumerate()
     {
-        let replicas: Vec<u64> = placements
+        let replicas: Vec<&Placement> = placements
             .iter()
             .filter(|p| p.stage as usize == stage)
-            .map(|p| p.memory)
             .collect();
-        // Memory 0: not limited.
-        let Some(least) = replicas.iter().copied().filter(|m| *m > 0).min() else {
+        // Memory 0: not limited. The room a replica has beside its state.
+        let room = |p: &&Placement| {
+            let held = need.on(p.memory, p.offloads).unwrap_or(need.resident);
+            p.memory.saturating_sub(held)
+        };
+        let Some(least) = replicas.iter().filter(|p| p.memory > 0).map(room).min() else {
             continue;
         };
         if per == 0 {
             continue;
         }
         // Microbatches one replica can hold, then the window that puts that many on each.
-        let held = floor as u64 + least.saturating_sub(need) / per;
+        let held = floor as u64 + least / per;
         window = window.min(held * replicas.len() as u64 / drivers);
     }
     usize::try_from(window).unwrap_or(usize::MAX)
@@ -802,6 +805,7 @@ mod tests {
             stage,
             throughput,
             memory: 0,
+            offloads: false,
         };
         let swarm = [p(2, 0, 30.0), p(3, 1, 5.0)];
         // 8 microbatches of 2 over drivers 1 (10/s) and 2 (30/s).
@@ -820,6 +824,7 @@ mod tests {
             stage,
             throughput,
             memory,
+            offloads: false,
         };
         // Two stages of two replicas, each replica 100 samples/s; microbatches of 4 samples.
         let costs = StageCosts {
@@ -827,6 +832,7 @@ mod tests {
             params: vec![10; 2],
             activation_values: 1,
             memory: vec![1000; 2],
+            offload_memory: vec![0; 2],
             microbatch_memory: vec![100; 2],
             param_scale: 1,
         };

@@ -23,6 +23,7 @@ pub fn serving(stage: u32) -> Announcement {
         newcomer: false,
         loss: None,
         memory: 0,
+        offloads: false,
         incarnation: 1,
         seq: 1,
         accuses: Vec::new(),

@@ -70,6 +70,9 @@ pub struct Announcement {
     /// Bytes of device memory it can give a stage (0: not limited), so that no peer is asked
     /// to move to a stage it cannot hold.
     pub memory: u64,
+    /// Whether it serves stages its device memory does not hold by keeping their blocks in
+    /// host memory (see [`super::placement::Need`]).
+    pub offloads: bool,
     /// Random per start of the peer, so that announcements of a restarted peer are told from
     /// its earlier life's.
     pub incarnation: u64,

@@ -45,6 +45,8 @@ pub struct Peer {
     timing: Timing,
     /// Device memory this peer can give a stage (0: not limited).
     memory: u64,
+    /// Whether it keeps blocks in host memory where its device cannot hold a stage.
+    offloads: bool,
     routing: Routing,
     incarnation: u64,
     announcements: u64,
@@ -94,6 +96,7 @@ impl Peer {
             me,
             run: config.run_id(),
             memory: 0,
+            offloads: false,
             routing: Routing::default(),
             incarnation,
             announcements: 0,
@@ -144,6 +147,13 @@ impl Peer {
     /// only asked to move to, stages that fit.
     pub fn set_memory(&mut self, bytes: u64) {
         self.memory = bytes;
+    }
+
+    /// Whether this peer can serve a stage its device memory does not hold by keeping the
+    /// stage's blocks in host memory (see [`super::placement::Need`]): it is then given such
+    /// stages too, and is routed by the throughput it measures there.
+    pub fn set_offloads(&mut self, offloads: bool) {
+        self.offloads = offloads;
     }
 
     /// Caps the upload this peer's state exports take, bytes per second (None: no cap).
@@ -319,6 +329,7 @@ impl Peer {
             newcomer: self.steps.newcomer(stage, &self.members),
             loss: self.steps.last_loss(),
             memory: self.memory,
+            offloads: self.offloads,
             incarnation: self.incarnation,
             seq: self.announcements,
             accuses: self.bans.accusations(),
@@ -371,6 +382,7 @@ impl Peer {
             stage,
             throughput: own,
             memory: self.memory,
+            offloads: self.offloads,
         });
         role::placements(&self.members, me, self.config.stages, false)
     }
@@ -791,10 +803,17 @@ impl Peer {
             .members
             .iter()
             .filter(|(_, m)| m.announcement.state == MemberState::Choosing)
-            .map(|(k, m)| (*k, m.announcement.memory, m.announcement.stage))
-            .chain([(self.me, self.memory, self.role.first_choice())])
+            .map(|(k, m)| {
+                let a = &m.announcement;
+                (*k, (a.memory, a.offloads), a.stage)
+            })
+            .chain([(
+                self.me,
+                (self.memory, self.offloads),
+                self.role.first_choice(),
+            )])
             .collect();
-        match role::choose(placements, choosers, &self.costs.memory, self.me) {
+        match role::choose(placements, choosers, &self.costs.needs(), self.me) {
             Some(stage) => self.sync_from_someone(stage, None, now),
             None => {
                 self.out.event(Event::Warning(format!(

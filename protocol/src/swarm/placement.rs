@@ -3,9 +3,35 @@
 
 use super::PeerKey;
 
-/// Whether a peer with `memory` bytes (0: not limited) can hold a stage needing `need`.
-pub fn fits(memory: u64, need: u64) -> bool {
-    memory == 0 || need <= memory
+/// The device memory a stage needs of a peer: to hold all of it there, or, for a peer that
+/// offloads, to hold what it computes with while its blocks wait in host memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Need {
+    /// Everything on the device.
+    pub resident: u64,
+    /// The blocks offloaded.
+    pub offloaded: u64,
+}
+
+impl Need {
+    /// What a peer with `memory` bytes of device memory (0: not limited) that `offloads` or
+    /// not holds of this stage on its device: the resident need where that fits, else the
+    /// offloaded one where it offloads; None if neither fits.
+    pub fn on(&self, memory: u64, offloads: bool) -> Option<u64> {
+        if memory == 0 || self.resident <= memory {
+            Some(self.resident)
+        } else if offloads && self.offloaded <= memory {
+            Some(self.offloaded)
+        } else {
+            None
+        }
+    }
+}
+
+/// Whether a peer with `memory` bytes (0: not limited) that `offloads` or not can serve a
+/// stage needing `need`.
+pub fn fits(memory: u64, offloads: bool, need: Need) -> bool {
+    need.on(memory, offloads).is_some()
 }
 
 /// One peer's place in the balance: its stage and its measured throughput there.
@@ -19,6 +45,8 @@ pub struct Placement {
     pub throughput: f64,
     /// Device memory it can give a stage (0: not limited).
     pub memory: u64,
+    /// Whether it can keep a stage's blocks in host memory (see [`Need`]).
+    pub offloads: bool,
 }
 
 /// Per-stage throughput (samples/s summed over replicas) and replica counts.
@@ -33,12 +61,19 @@ pub fn stage_totals(placements: &[Placement], stages: u32) -> Vec<(f64, usize)> 
     totals
 }
 
-/// The stage a joiner with `memory` bytes takes, among those it can hold (`need`: bytes per
-/// stage): one with no replica first, then the one with the least throughput, then the fewest
-/// replicas, then the lowest index. None if no stage fits.
-pub fn choose_stage(placements: &[Placement], need: &[u64], memory: u64) -> Option<u32> {
+/// The stage a joiner with `memory` bytes that `offloads` or not takes, among those it can
+/// hold (`need`: per stage): one with no replica first, then the one with the least
+/// throughput, then the fewest replicas, then the lowest index. None if no stage fits.
+pub fn choose_stage(
+    placements: &[Placement],
+    need: &[Need],
+    memory: u64,
+    offloads: bool,
+) -> Option<u32> {
     let totals = stage_totals(placements, need.len() as u32);
-    let fitting: Vec<usize> = (0..need.len()).filter(|s| fits(memory, need[*s])).collect();
+    let fitting: Vec<usize> = (0..need.len())
+        .filter(|s| fits(memory, offloads, need[*s]))
+        .collect();
     let mut best = *fitting.first()?;
     for &i in &fitting {
         let (t, b) = (totals[i], totals[best]);
@@ -87,7 +122,7 @@ pub const MOVE_TIE: f64 = 0.25;
 pub fn plan_move(
     placements: &[Placement],
     flops_per_sample: &[f64],
-    need: &[u64],
+    need: &[Need],
     gain: f64,
 ) -> Option<Move> {
     let stages = flops_per_sample.len() as u32;
@@ -104,7 +139,8 @@ pub fn plan_move(
             continue;
         }
         for to in 0..stages {
-            if to == p.stage || !need.get(to as usize).is_some_and(|n| fits(p.memory, *n)) {
+            let holds = |n: &Need| fits(p.memory, p.offloads, *n);
+            if to == p.stage || !need.get(to as usize).is_some_and(holds) {
                 continue;
             }
             let mut t = base.clone();
@@ -143,24 +179,36 @@ mod tests {
             stage,
             throughput,
             memory: 0,
+            offloads: false,
         };
-        let need = [10, 10, 30];
-        assert_eq!(choose_stage(&[], &need, 0), Some(0));
-        assert_eq!(choose_stage(&[p(1, 0, 0.0)], &need, 0), Some(1));
+        let needs = |n: [u64; 3]| {
+            n.map(|resident| Need {
+                resident,
+                offloaded: resident / 4,
+            })
+        };
+        let need = needs([10, 10, 30]);
+        let choose = |placements: &[Placement], need: &[Need], memory| {
+            choose_stage(placements, need, memory, false)
+        };
+        assert_eq!(choose(&[], &need, 0), Some(0));
+        assert_eq!(choose(&[p(1, 0, 0.0)], &need, 0), Some(1));
         assert_eq!(
-            choose_stage(&[p(1, 0, 0.0), p(2, 1, 0.0), p(3, 2, 0.0)], &need, 0),
+            choose(&[p(1, 0, 0.0), p(2, 1, 0.0), p(3, 2, 0.0)], &need, 0),
             Some(0)
         );
         let slow_middle = [p(1, 0, 10.0), p(2, 1, 4.0), p(3, 2, 8.0)];
-        assert_eq!(choose_stage(&slow_middle, &need, 0), Some(1));
+        assert_eq!(choose(&slow_middle, &need, 0), Some(1));
         // Memory: a stage that does not fit is never taken, even if it is empty.
-        assert_eq!(choose_stage(&[p(1, 0, 0.0)], &need, 20), Some(1));
-        assert_eq!(
-            choose_stage(&[p(1, 0, 0.0), p(2, 1, 0.0)], &need, 20),
-            Some(0)
-        );
-        assert_eq!(choose_stage(&slow_middle, &[10, 40, 30], 35), Some(2));
-        assert_eq!(choose_stage(&[], &need, 5), None);
+        assert_eq!(choose(&[p(1, 0, 0.0)], &need, 20), Some(1));
+        assert_eq!(choose(&[p(1, 0, 0.0), p(2, 1, 0.0)], &need, 20), Some(0));
+        assert_eq!(choose(&slow_middle, &needs([10, 40, 30]), 35), Some(2));
+        assert_eq!(choose(&[], &need, 5), None);
+        // ... unless the peer offloads and the stage's offloaded need fits.
+        let two = [p(1, 0, 0.0), p(2, 1, 0.0)];
+        assert_eq!(choose_stage(&two, &need, 20, true), Some(2));
+        assert_eq!(choose_stage(&[], &need, 5, true), Some(0));
+        assert_eq!(choose_stage(&[], &need, 1, true), None);
     }
 
     #[test]
@@ -170,14 +218,30 @@ mod tests {
             stage,
             throughput,
             memory,
+            offloads: false,
         };
         let flops = [1.0, 1.0];
+        let need = [4, 8].map(|resident| Need {
+            resident,
+            offloaded: 3,
+        });
         // Stage 1 is starved; peer 2 could fix it but cannot hold it, peer 1 can.
         let placements = [p(1, 0, 10.0, 0), p(2, 0, 10.0, 5), p(3, 1, 1.0, 0)];
-        let m = plan_move(&placements, &flops, &[4, 8], 0.1).unwrap();
+        let m = plan_move(&placements, &flops, &need, 0.1).unwrap();
         assert_eq!((m.peer, m.to), (PeerKey(1), 1));
         let small = [p(1, 0, 10.0, 5), p(2, 0, 10.0, 5), p(3, 1, 1.0, 0)];
-        assert_eq!(plan_move(&small, &flops, &[4, 8], 0.1), None);
+        assert_eq!(plan_move(&small, &flops, &need, 0.1), None);
+        // Offloading, peer 2 holds it.
+        let offloading = [
+            p(1, 0, 10.0, 5),
+            Placement {
+                offloads: true,
+                ..p(2, 0, 10.0, 5)
+            },
+            p(3, 1, 1.0, 0),
+        ];
+        let m = plan_move(&offloading, &flops, &need, 0.1).unwrap();
+        assert_eq!((m.peer, m.to), (PeerKey(2), 1));
     }
 
     /// Peers with similar devices see slightly different throughputs (noise, gossip lag);
@@ -189,6 +253,7 @@ mod tests {
             stage,
             throughput,
             memory: 0,
+            offloads: false,
         };
         let flops = [1.0, 1.0];
         let mut rng = SeededRng::new(9);
@@ -199,7 +264,7 @@ mod tests {
                     p(10 + i, stage, speed * (0.94 + 0.12 * rng.next_f64()))
                 })
                 .collect();
-            let m = plan_move(&view, &flops, &[0; 2], 0.25).unwrap();
+            let m = plan_move(&view, &flops, &[Need::default(); 2], 0.25).unwrap();
             assert_eq!((m.peer, m.from, m.to), (PeerKey(10), 0, 1));
         }
         // A clearly better move still wins over a smaller key.
@@ -210,7 +275,9 @@ mod tests {
             p(4, 1, 100.0),
         ];
         assert_eq!(
-            plan_move(&view, &flops, &[0; 2], 0.25).unwrap().peer,
+            plan_move(&view, &flops, &[Need::default(); 2], 0.25)
+                .unwrap()
+                .peer,
             PeerKey(2)
         );
     }
@@ -233,11 +300,12 @@ mod tests {
                         stage: stage[i],
                         throughput: speed[i] / flops[stage[i] as usize],
                         memory: 0,
+                        offloads: false,
                     })
                     .collect()
             };
             let mut seen = vec![stage.clone()];
-            while let Some(m) = plan_move(&placements(&stage), &flops, &[0; 3], 0.1) {
+            while let Some(m) = plan_move(&placements(&stage), &flops, &[Need::default(); 3], 0.1) {
                 assert!(m.after > m.before * 1.1, "trial {trial}: a move must help");
                 stage[m.peer.0 as usize] = m.to;
                 assert!(!seen.contains(&stage), "trial {trial}: assignment repeated");

@@ -10,7 +10,7 @@
 use super::config::{StageCosts, Timing};
 use super::membership::Membership;
 use super::message::{MemberState, Message, StateChunk};
-use super::placement::{Move, Placement, choose_stage, fits, plan_move};
+use super::placement::{Move, Need, Placement, choose_stage, fits, plan_move};
 use super::transfer::{Added, Download, Downloaded, TransferError};
 use super::{PeerKey, SeededRng};
 use std::collections::BTreeMap;
@@ -372,7 +372,7 @@ impl Role {
         }
         let gain = timing.rebalance_gain;
         let mine = (self.phase == Phase::Serving)
-            .then(|| plan_move(placements, &costs.flops_per_sample, &costs.memory, gain))
+            .then(|| plan_move(placements, &costs.flops_per_sample, &costs.needs(), gain))
             .flatten()
             .filter(|m| m.peer == me);
         if due {
@@ -416,6 +416,7 @@ pub(super) fn placements(
                 stage,
                 throughput: f64::from(m.announcement.throughput),
                 memory: m.announcement.memory,
+                offloads: m.announcement.offloads,
             })
         })
         .collect();
@@ -459,14 +460,15 @@ fn mean(values: impl Iterator<Item = f64>) -> Option<f64> {
 /// None if no stage fits its memory.
 pub(super) fn choose(
     mut placements: Vec<Placement>,
-    mut choosers: Vec<(PeerKey, u64, Option<u32>)>,
-    need: &[u64],
+    mut choosers: Vec<(PeerKey, (u64, bool), Option<u32>)>,
+    need: &[Need],
     me: PeerKey,
 ) -> Option<u32> {
     choosers.sort_unstable();
-    for (peer, memory, first) in choosers {
-        let first = first.filter(|s| need.get(*s as usize).is_some_and(|n| fits(memory, *n)));
-        let stage = first.or_else(|| choose_stage(&placements, need, memory));
+    for (peer, (memory, offloads), first) in choosers {
+        let holds = |n: &Need| fits(memory, offloads, *n);
+        let first = first.filter(|s| need.get(*s as usize).is_some_and(holds));
+        let stage = first.or_else(|| choose_stage(&placements, need, memory, offloads));
         if peer == me {
             return stage;
         }
@@ -485,6 +487,7 @@ pub(super) fn choose(
                 stage,
                 throughput,
                 memory,
+                offloads,
             });
         }
     }
@@ -525,6 +528,7 @@ mod tests {
             params: vec![4; stages],
             activation_values: 1,
             memory: vec![0; stages],
+            offload_memory: vec![0; stages],
             microbatch_memory: vec![0; stages],
             param_scale: 1,
         }
@@ -536,6 +540,7 @@ mod tests {
             stage,
             throughput,
             memory: 0,
+            offloads: false,
         }
     }
 
@@ -544,42 +549,67 @@ mod tests {
         // Three peers join an empty run of three stages at once: each plays out the same
         // assignment and takes its own slot.
         let choosers = vec![
-            (PeerKey(3), 0, None),
-            (PeerKey(1), 0, None),
-            (PeerKey(2), 0, None),
+            (PeerKey(3), (0, false), None),
+            (PeerKey(1), (0, false), None),
+            (PeerKey(2), (0, false), None),
         ];
+        // Offloaded, a stage needs a quarter of its device memory.
+        fn needs<const N: usize>(n: [u64; N]) -> [Need; N] {
+            n.map(|resident| Need {
+                resident,
+                offloaded: resident / 4,
+            })
+        }
         let picks: Vec<Option<u32>> = [1, 2, 3]
             .iter()
-            .map(|k| choose(Vec::new(), choosers.clone(), &[0; 3], PeerKey(*k)))
+            .map(|k| choose(Vec::new(), choosers.clone(), &needs([0; 3]), PeerKey(*k)))
             .collect();
         assert_eq!(picks, [Some(0), Some(1), Some(2)]);
         // With every stage served, the slowest stage is taken.
         let served = vec![place(7, 0, 10.0), place(8, 1, 2.0), place(9, 2, 10.0)];
         assert_eq!(
-            choose(served.clone(), vec![(ME, 0, None)], &[0; 3], ME),
+            choose(
+                served.clone(),
+                vec![(ME, (0, false), None)],
+                &needs([0; 3]),
+                ME
+            ),
             Some(1)
         );
         // A second joiner counts the first at stage 1's measured speed: then stage 1 holds
         // 4/s, still the slowest, so both go there.
-        let both = vec![(PeerKey(4), 0, None), (ME, 0, None)];
-        assert_eq!(choose(served, both, &[0; 3], ME), Some(1));
+        let both = vec![(PeerKey(4), (0, false), None), (ME, (0, false), None)];
+        assert_eq!(choose(served, both, &needs([0; 3]), ME), Some(1));
         // No stage fits: none.
-        assert_eq!(choose(Vec::new(), vec![(ME, 10, None)], &[20; 3], ME), None);
+        assert_eq!(
+            choose(
+                Vec::new(),
+                vec![(ME, (10, false), None)],
+                &needs([20; 3]),
+                ME
+            ),
+            None
+        );
         // A peer told to take a stage first takes it, and the others choosing with it count
         // it there: three peers on three stages, the first pinned to the last stage.
         let pinned = vec![
-            (PeerKey(1), 0, Some(2)),
-            (PeerKey(2), 0, None),
-            (PeerKey(3), 0, None),
+            (PeerKey(1), (0, false), Some(2)),
+            (PeerKey(2), (0, false), None),
+            (PeerKey(3), (0, false), None),
         ];
         let picks: Vec<Option<u32>> = [1, 2, 3]
             .iter()
-            .map(|k| choose(Vec::new(), pinned.clone(), &[0; 3], PeerKey(*k)))
+            .map(|k| choose(Vec::new(), pinned.clone(), &needs([0; 3]), PeerKey(*k)))
             .collect();
         assert_eq!(picks, [Some(2), Some(0), Some(1)]);
         // A first choice the memory cannot hold is not taken.
-        let small = vec![(ME, 10, Some(1))];
-        assert_eq!(choose(Vec::new(), small, &[5, 20], ME), Some(0));
+        let small = vec![(ME, (10, false), Some(1))];
+        assert_eq!(choose(Vec::new(), small, &needs([5, 20]), ME), Some(0));
+        // ... unless it offloads, and the stage's blocks wait in its host memory.
+        let offloading = vec![(ME, (10, true), Some(1))];
+        assert_eq!(choose(Vec::new(), offloading, &needs([5, 20]), ME), Some(1));
+        let offloading = vec![(ME, (10, true), None)];
+        assert_eq!(choose(Vec::new(), offloading, &needs([20; 3]), ME), Some(0));
     }
 
     #[test]

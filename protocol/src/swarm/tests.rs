@@ -38,6 +38,7 @@ fn costs(stages: u32) -> StageCosts {
         params: vec![PARAMS; stages as usize],
         activation_values: ACTS_PER_ROW,
         memory: vec![0; stages as usize],
+        offload_memory: vec![0; stages as usize],
         microbatch_memory: vec![0; stages as usize],
         param_scale: 1,
     }

@@ -105,6 +105,7 @@ fn announcement(stage: Option<u32>, state: MemberState, round: u64, seq: u64) ->
         newcomer: false,
         loss: None,
         memory: 0,
+        offloads: false,
         incarnation: 1,
         seq,
         accuses: Vec::new(),
@@ -135,6 +136,7 @@ impl Exercise {
             params: vec![PARAMS; STAGES as usize],
             activation_values: ACTS_PER_ROW,
             memory: vec![0; STAGES as usize],
+            offload_memory: vec![0; STAGES as usize],
             microbatch_memory: vec![0; STAGES as usize],
             param_scale: 1,
         };
