@@ -17,8 +17,7 @@ use shoal_compute::{Corpus, StageSpec};
 use shoal_node::net::{self, GossipCheck, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
-    Action, ComputeDone, DataSource, Envelope, Event, Message, Peer, PeerKey, Resume, RunConfig,
-    RunId, Timing,
+    Action, DataSource, Envelope, Event, Message, Peer, PeerKey, Resume, RunConfig, RunId, Timing,
 };
 use shoal_protocol::{FrameKind, TrafficCodecs};
 use shoal_worker::{StageWorker, model_of, stage_costs};
