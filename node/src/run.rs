@@ -494,9 +494,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             Some(done) = done_rx.recv() => {
                 #[cfg(feature = "attacks")]
                 let done = match done {
-                    ComputeDone::State { to, bytes } if peer.poisons_state() => {
+                    shoal_protocol::swarm::ComputeDone::State { to, bytes } if peer.poisons_state() => {
                         let bytes = shoal_compute::poisoned_state(&bytes).unwrap_or(bytes);
-                        ComputeDone::State { to, bytes }
+                        shoal_protocol::swarm::ComputeDone::State { to, bytes }
                     }
                     other => other,
                 };
