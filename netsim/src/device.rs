@@ -174,6 +174,7 @@ impl DeviceProfile {
             Job::Backward { rows, .. } => per_sample * *rows as f64 * 2.0 / 3.0,
             Job::Step { .. } | Job::LocalStep | Job::OuterStep { .. } => 12.0 * params,
             Job::Init { .. }
+            | Job::Restart { .. }
             | Job::Import { .. }
             | Job::Export { .. }
             | Job::TakeGradient

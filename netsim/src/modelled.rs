@@ -154,6 +154,16 @@ impl ModelledStage {
                 self.replica = Some(self.build(stage, hash, hash, 0));
                 ComputeDone::Ready { hash }
             }
+            Job::Restart { stage } => {
+                let held = self.replica.as_ref().filter(|r| r.stage == stage);
+                match held.map(|r| (r.hash, r.anchor, r.outer_steps)) {
+                    Some((hash, anchor, outer_steps)) => {
+                        self.replica = Some(self.build(stage, hash, anchor, outer_steps));
+                        ComputeDone::Ready { hash }
+                    }
+                    None => return self.try_run(Job::Init { stage }),
+                }
+            }
             Job::Import { stage, state } => {
                 let field = |i: usize| {
                     state
@@ -416,6 +426,35 @@ mod tests {
             panic!("a state")
         };
         assert_eq!(bytes.len(), exported_state_len(values.len(), false));
+    }
+
+    /// A replica that restarts its stage keeps the parameters it stepped to; restarting
+    /// another stage builds that one fresh.
+    #[test]
+    fn a_restart_keeps_the_state_held() {
+        let config = config();
+        let mut a = ModelledStage::new(config.clone(), &costs(&config), 1).unwrap();
+        let ComputeDone::Ready { hash: fresh } = a.run(Job::Init { stage: 1 }) else {
+            panic!()
+        };
+        let n = a.replica.as_ref().unwrap().params;
+        let grad = a.random(n);
+        let ComputeDone::Stepped { hash: stepped } = a.run(Job::Step { grad }) else {
+            panic!()
+        };
+        assert_ne!(stepped, fresh);
+        assert!(matches!(
+            a.run(Job::Restart { stage: 1 }),
+            ComputeDone::Ready { hash } if hash == stepped
+        ));
+        let ComputeDone::Ready { hash: other } = a.run(Job::Restart { stage: 0 }) else {
+            panic!()
+        };
+        let mut b = ModelledStage::new(config.clone(), &costs(&config), 2).unwrap();
+        assert!(matches!(
+            b.run(Job::Init { stage: 0 }),
+            ComputeDone::Ready { hash } if hash == other
+        ));
     }
 
     #[test]

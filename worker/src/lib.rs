@@ -225,6 +225,18 @@ impl<B: Backend> StageWorker<B> {
                 self.replica = Some(r);
                 ComputeDone::Ready { hash }
             }
+            Job::Restart { stage } => {
+                let held = self
+                    .replica
+                    .as_ref()
+                    .filter(|r| r.spec().index == stage as usize);
+                match held.map(|r| r.export_state()).transpose().map_err(err)? {
+                    Some(state) => ComputeDone::Ready {
+                        hash: self.restore(stage, &state)?,
+                    },
+                    None => return self.try_run(Job::Init { stage }),
+                }
+            }
             Job::Import { stage, state } => ComputeDone::Ready {
                 hash: self.restore(stage, &state)?,
             },
@@ -329,5 +341,47 @@ fn output(out: StageOutput) -> Output {
     match out {
         StageOutput::Activations(a) => Output::Activations(a),
         StageOutput::Loss(l) => Output::Loss(l),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use shoal_protocol::swarm::SyncMode;
+
+    /// A replica that restarts its stage keeps what it trained (its parameters, step and
+    /// hash); restarting a stage it does not hold builds that one from the seed.
+    #[test]
+    fn a_restart_keeps_the_state_held() {
+        let config = RunConfig {
+            preset: "nano".into(),
+            stages: 2,
+            global_batch: 4,
+            microbatch: 2,
+            seq: 16,
+            sync: SyncMode::AllReduce,
+            lr: 1e-3,
+            max_steps: 10,
+            codecs: shoal_protocol::TrafficCodecs::default(),
+            data: shoal_protocol::swarm::DataSource::Synthetic,
+            seed: 5,
+        };
+        let backend = Arc::new(CpuBackend::new(1).unwrap());
+        let mut w = StageWorker::new(config, backend, None).unwrap();
+        let ready = |done: ComputeDone| match done {
+            ComputeDone::Ready { hash } => hash,
+            other => panic!("{other:?}"),
+        };
+        let fresh = ready(w.run(Job::Init { stage: 1 }));
+        let n = w.replica().unwrap().param_count();
+        let stepped = match w.run(Job::Step { grad: vec![0.5; n] }) {
+            ComputeDone::Stepped { hash } => hash,
+            other => panic!("{other:?}"),
+        };
+        assert_ne!(stepped, fresh);
+        assert_eq!(ready(w.run(Job::Restart { stage: 1 })), stepped);
+        assert_eq!(w.replica().unwrap().step(), 1);
+        let other = ready(w.run(Job::Restart { stage: 0 }));
+        assert_eq!(ready(w.run(Job::Init { stage: 0 })), other);
     }
 }

@@ -34,6 +34,14 @@ pub enum Job {
         /// The stage.
         stage: u32,
     },
+    /// Build the stage again from the state it holds, as a download of that state would
+    /// (work in progress and accumulated gradients dropped): a replica that must re-sync and
+    /// finds no other replica to sync from keeps what it trained. Fresh from the seed if it
+    /// holds no state of this stage.
+    Restart {
+        /// The stage.
+        stage: u32,
+    },
     /// Build the stage from transferred state.
     Import {
         /// The stage.

@@ -47,6 +47,9 @@ pub struct Peer {
     memory: u64,
     /// Whether it keeps blocks in host memory where its device cannot hold a stage.
     offloads: bool,
+    /// The stage whose state the compute side holds (the last one built and served): a sync
+    /// of that stage that finds nobody to sync from keeps it ([`Job::Restart`]).
+    holds: Option<u32>,
     routing: Routing,
     incarnation: u64,
     announcements: u64,
@@ -97,6 +100,7 @@ impl Peer {
             run: config.run_id(),
             memory: 0,
             offloads: false,
+            holds: None,
             routing: Routing::default(),
             incarnation,
             announcements: 0,

@@ -105,6 +105,15 @@ impl ToyStage {
                     hash: hash(&self.params),
                 }
             }
+            Job::Restart { stage } if stage == self.stage => {
+                let (params, anchor) = (self.params.clone(), self.anchor.clone());
+                *self = ToyStage::init(stage);
+                (self.params, self.anchor) = (params, anchor);
+                ComputeDone::Ready {
+                    hash: hash(&self.params),
+                }
+            }
+            Job::Restart { stage } => self.run(Job::Init { stage }, stages),
             Job::Import { stage, state } => {
                 let v: Vec<f32> = state
                     .chunks_exact(4)

@@ -190,7 +190,9 @@ impl Exercise {
         let Some(job) = self.job.take() else { return };
         let last = self.stage + 1 == STAGES;
         let done = match job {
-            Job::Init { .. } | Job::Import { .. } => ComputeDone::Ready { hash: 7 },
+            Job::Init { .. } | Job::Restart { .. } | Job::Import { .. } => {
+                ComputeDone::Ready { hash: 7 }
+            }
             Job::Export { to } => ComputeDone::State {
                 to,
                 bytes: vec![0; PARAMS * 8],

@@ -25,8 +25,15 @@ impl Peer {
         }
         self.start_sync(stage, &sources, now);
         if sources.is_empty() {
-            self.steps.set_position(0, 0, false);
-            self.out.compute(Job::Init { stage });
+            if self.holds == Some(stage) {
+                // A replica that must re-sync with nobody left to sync from keeps what it
+                // trained, at its step: starting over from the seed would throw the stage's
+                // training away.
+                self.out.compute(Job::Restart { stage });
+            } else {
+                self.steps.set_position(0, 0, false);
+                self.out.compute(Job::Init { stage });
+            }
         }
         self.announce();
     }
@@ -169,6 +176,8 @@ impl Peer {
                         took: done.took,
                         senders: done.senders,
                     });
+                    // The import replaces what the compute side holds, checked or not.
+                    self.holds = None;
                     self.out.compute(Job::Import {
                         stage,
                         state: done.bytes,
@@ -219,6 +228,7 @@ impl Peer {
             self.sync_from_someone(stage, Some(source), now);
             return;
         }
+        self.holds = Some(stage);
         self.steps
             .start_serving(hash, source, now + self.timing.announce_every);
         self.release_held_forwards(now);
