@@ -188,6 +188,11 @@ pub struct RunArgs {
     /// or the run ended without this peer. 0 waits for new peers forever.
     #[arg(long, default_value = "300")]
     pub stall_timeout: f32,
+    /// A joiner that learns nothing of the run from its bootstrap peers within this many
+    /// seconds exits with an error saying what it tried (it asks again every 2 seconds
+    /// meanwhile, and says so).
+    #[arg(long, default_value = "60", value_parser = positive_f32)]
+    pub join_timeout: f32,
     /// The fraction of the time this peer's device computes: after each job it rests for as
     /// long as the job took times (1 / F - 1), so a volunteer can lend part of a laptop or GPU.
     /// The peer measures, announces and is routed by the throughput it really gives.

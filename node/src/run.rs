@@ -112,6 +112,7 @@ async fn learn_config(
     run: RunId,
     bootstrap: &[PeerId],
     frames: &mut mpsc::Receiver<net::InboundFrame>,
+    timeout: Duration,
 ) -> anyhow::Result<RunConfig> {
     if bootstrap.is_empty() {
         bail!("--bootstrap addresses must end in /p2p/<peer id> to learn the run from");
@@ -121,22 +122,59 @@ async fn learn_config(
         msg: Message::Hello,
     }
     .to_bytes();
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let start = Instant::now();
     let mut ask = tokio::time::interval(Duration::from_secs(2));
+    // What became of the last question to each bootstrap peer: None if it was delivered.
+    let (sent_tx, mut sent) = mpsc::unbounded_channel::<(PeerId, Option<String>)>();
+    let mut last_errors: BTreeMap<PeerId, String> = BTreeMap::new();
+    let tried = |errors: &BTreeMap<PeerId, String>| {
+        bootstrap
+            .iter()
+            .map(|p| match errors.get(p) {
+                Some(e) => format!("{p}: {e}"),
+                None => format!("{p}: no answer"),
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
     loop {
         tokio::select! {
             _ = ask.tick() => {
-                if Instant::now() > deadline {
-                    bail!("no peer of run {run} answered within 60 s");
+                let waited = start.elapsed();
+                if waited >= timeout {
+                    bail!(
+                        "no peer of run {run} answered within {:.0} s (--join-timeout); asked {} \
+                         bootstrap peer(s) every 2 s: {}",
+                        timeout.as_secs_f64(),
+                        bootstrap.len(),
+                        tried(&last_errors)
+                    );
+                }
+                if waited >= Duration::from_secs(2) {
+                    println!(
+                        "joining run {run}: no answer after {:.0} s of {:.0} ({}); asking again",
+                        waited.as_secs_f64(),
+                        timeout.as_secs_f64(),
+                        tried(&last_errors)
+                    );
                 }
                 for p in bootstrap {
                     let (h, p, hello) = (handle.clone(), *p, hello.clone());
+                    let sent = sent_tx.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = h.send_frame(p, FrameKind::Control, &hello).await {
+                        let result = h.send_frame(p, FrameKind::Control, &hello).await;
+                        if let Err(e) = &result {
                             tracing::debug!("hello to {p}: {e}");
                         }
+                        let _ = sent.send((p, result.err().map(|e| format!("{e:#}"))));
                     });
                 }
+            }
+            Some((p, outcome)) = sent.recv() => {
+                match outcome {
+                    Some(e) => last_errors.insert(p, e),
+                    None => last_errors.remove(&p),
+                };
             }
             Some(frame) = frames.recv() => {
                 if let Ok(Envelope { run: r, msg: Message::Config(config) }) =
@@ -230,7 +268,8 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         None => {
             let boot = bootstrap_peers(&args.bootstrap);
             println!("joining run {run_id} through {} peer(s)", boot.len());
-            learn_config(&handle, run_id, &boot, &mut frames).await?
+            let timeout = Duration::from_secs_f32(args.join_timeout);
+            learn_config(&handle, run_id, &boot, &mut frames, timeout).await?
         }
     };
     let model = model_of(&config).map_err(anyhow::Error::msg)?;

@@ -567,3 +567,42 @@ fn a_peer_under_a_memory_limit_serves_a_stage_it_cannot_hold() {
     verify(&reports, &run_id);
     loss_fell(&reports, 1, "under a memory limit");
 }
+
+/// A joiner whose bootstrap peer never answers says so while it asks again, then exits with
+/// an error naming the run, the peer it asked and the timeout, instead of waiting forever.
+#[test]
+fn a_joiner_that_hears_nothing_gives_up_saying_what_it_tried() {
+    let dir = temp_dir("run-join-timeout");
+    let nobody = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN";
+    let mut child = std::process::Command::new(shoal_tests::shoal_binary())
+        .args(["run", "--run", "0123456789abcdef", "--bootstrap"])
+        .arg(format!("/ip4/127.0.0.1/udp/9/quic-v1/p2p/{nobody}"))
+        .args(["--join-timeout", "3", "--no-mdns", "--identity"])
+        .arg(dir.join("id"))
+        .args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // It must end by itself; a minute is twenty times what it was given.
+    let started = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if started.elapsed() > Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("still waiting after a minute");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("asking again"), "{stdout}");
+    assert!(
+        stderr.contains("no peer of run 0123456789abcdef answered within 3 s (--join-timeout)")
+            && stderr.contains(nobody),
+        "{stderr}"
+    );
+}
