@@ -103,6 +103,42 @@ fn ranges(lens: &[usize; 12]) -> [Range<usize>; 12] {
     })
 }
 
+/// A block's tensors on the device, from `values` (concatenated).
+fn upload<B: Backend>(
+    b: &B,
+    lens: &[usize; 12],
+    values: &[f32],
+) -> Result<Block<B::Buffer>, BackendError> {
+    let r = ranges(lens);
+    Block::try_build(|j| b.upload(&values[r[j].clone()]))
+}
+
+/// Copies a block's tensors on the device into `out` (concatenated).
+fn download<B: Backend>(
+    b: &B,
+    t: &Block<B::Buffer>,
+    lens: &[usize; 12],
+    out: &mut [f32],
+) -> Result<(), BackendError> {
+    for (buf, r) in t.iter().into_iter().zip(ranges(lens)) {
+        b.download(buf, &mut out[r])?;
+    }
+    Ok(())
+}
+
+/// Overwrites a block's tensors on the device with `values` (concatenated).
+fn write<B: Backend>(
+    b: &B,
+    t: &mut Block<B::Buffer>,
+    lens: &[usize; 12],
+    values: &[f32],
+) -> Result<(), BackendError> {
+    for (buf, r) in t.iter_mut().into_iter().zip(ranges(lens)) {
+        b.write(buf, &values[r])?;
+    }
+    Ok(())
+}
+
 impl<B: Backend> Chunks<B> {
     /// Blocks that live on the device for good, holding `values` (each block's tensors in
     /// [`Block::iter`] order, concatenated).
@@ -116,8 +152,7 @@ impl<B: Backend> Chunks<B> {
             .zip(values)
             .map(|(info, v)| {
                 let lens = lens(info);
-                let r = ranges(&lens);
-                let params = Block::try_build(|j| b.upload(&v[r[j].clone()]))?;
+                let params = upload(b, &lens, &v)?;
                 Ok(Chunk {
                     lens,
                     device: Some(OnDevice {
@@ -234,9 +269,8 @@ impl<B: Backend> Chunks<B> {
         let Some(host) = c.host.as_mut() else {
             unreachable!("a block that is not on the device has a host copy");
         };
-        let r = ranges(&c.lens);
         if c.device.is_none() {
-            let params = Block::try_build(|j| b.upload(&host.params[r[j].clone()]))?;
+            let params = upload(b, &c.lens, &host.params)?;
             self.traffic.uploaded += per;
             c.device = Some(OnDevice {
                 params,
@@ -245,10 +279,10 @@ impl<B: Backend> Chunks<B> {
         }
         if grads {
             let g = if host.grads_zero {
-                Block::try_build(|j| b.alloc(r[j].len()))?
+                Block::try_build(|j| b.alloc(c.lens[j]))?
             } else {
                 self.traffic.uploaded += per;
-                Block::try_build(|j| b.upload(&host.grads[r[j].clone()]))?
+                upload(b, &c.lens, &host.grads)?
             };
             if let Some(d) = c.device.as_mut() {
                 d.grads = Some(g);
@@ -304,13 +338,15 @@ impl<B: Backend> Chunks<B> {
 
     fn evict(&mut self, b: &B, j: usize) -> Result<(), BackendError> {
         let c = &mut self.chunks[j];
-        let (Some(d), Some(host)) = (c.device.take(), c.host.as_mut()) else {
+        // Only a block with a host copy leaves the device.
+        let Some(host) = c.host.as_mut() else {
+            return Ok(());
+        };
+        let Some(d) = c.device.take() else {
             return Ok(());
         };
         if let Some(g) = d.grads {
-            for (buf, r) in g.iter().into_iter().zip(ranges(&c.lens)) {
-                b.download(buf, &mut host.grads[r])?;
-            }
+            download(b, &g, &c.lens, &mut host.grads)?;
             host.grads_zero = false;
             self.traffic.downloaded += 4 * c.values() as u64;
         }
@@ -352,11 +388,7 @@ impl<B: Backend> Chunks<B> {
             _ => None,
         };
         match (on_device, &c.host) {
-            (Some(t), _) => {
-                for (buf, r) in t.iter().into_iter().zip(ranges(&c.lens)) {
-                    b.download(buf, &mut out[r])?;
-                }
-            }
+            (Some(t), _) => download(b, t, &c.lens, out)?,
             (None, Some(h)) => out.copy_from_slice(match kind {
                 Kind::Params => &h.params,
                 Kind::Grads => &h.grads,
@@ -390,9 +422,7 @@ impl<B: Backend> Chunks<B> {
             (None, _) => None,
         };
         if let Some(t) = on_device {
-            for (buf, r) in t.iter_mut().into_iter().zip(ranges(&c.lens)) {
-                b.write(buf, &values[r])?;
-            }
+            write(b, t, &c.lens, values)?;
         }
         Ok(())
     }
@@ -452,9 +482,7 @@ impl<B: Backend> Chunks<B> {
             unreachable!("only offloaded blocks step on the host");
         };
         if let Some(g) = c.device.as_ref().and_then(|d| d.grads.as_ref()) {
-            for (buf, r) in g.iter().into_iter().zip(ranges(&c.lens)) {
-                b.download(buf, &mut h.grads[r])?;
-            }
+            download(b, g, &c.lens, &mut h.grads)?;
             h.grads_zero = false;
             self.traffic.downloaded += bytes;
         }
@@ -462,9 +490,7 @@ impl<B: Backend> Chunks<B> {
             step(j, r.clone(), &mut h.params[r.clone()], &h.grads[r]);
         }
         if let Some(d) = c.device.as_mut() {
-            for (buf, r) in d.params.iter_mut().into_iter().zip(ranges(&c.lens)) {
-                b.write(buf, &h.params[r])?;
-            }
+            write(b, &mut d.params, &c.lens, &h.params)?;
             self.traffic.uploaded += bytes;
         }
         Ok(())
