@@ -172,9 +172,14 @@ pub struct RunArgs {
     /// Steps between checkpoints.
     #[arg(long, default_value = "50", value_parser = positive)]
     pub checkpoint_every: usize,
-    /// Write a JSON report here on exit.
+    /// Write a JSON report here every --report-every seconds and on exit (its `status` says
+    /// which: running, done, stopped or gave up).
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Seconds between the reports written while the peer runs, so one that crashes or is
+    /// killed leaves one.
+    #[arg(long, default_value = "15", value_parser = positive_f32)]
+    pub report_every: f32,
     /// Serve this stage first instead of the one the run needs most (if this device's memory
     /// holds it); rebalancing may still move the peer later.
     #[arg(long)]

@@ -24,7 +24,6 @@ use shoal_worker::{StageWorker, model_of, stage_costs};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -39,7 +38,7 @@ const MAX_ANSWERED_DIRECTLY: usize = 4096;
 use checkpoint::{check_run_config, load_checkpoint};
 use compute::{MemoryTally, Worker, WorkerMsg, spawn_worker};
 use progress::{Progress, Stall};
-use run_report::RunReport;
+use run_report::{ReportContext, RunReport};
 
 /// The run's configuration from the command line of the peer that creates it.
 fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
@@ -206,6 +205,15 @@ struct Tally {
     /// Protocol violations by sender and kind: logged the first time, counted after.
     violations: BTreeMap<(PeerKey, &'static str), u64>,
     banned: Vec<(String, String)>,
+}
+
+impl Tally {
+    /// Mean loss of the last steps this peer saw as the last stage (a tenth of them, 1 to 10).
+    fn final_loss(&self) -> Option<f64> {
+        let window = (self.loss_curve.len() / 10).clamp(1, 10);
+        let tail = &self.loss_curve[self.loss_curve.len().saturating_sub(window)..];
+        (!tail.is_empty()).then(|| tail.iter().map(|(_, l)| l).sum::<f64>() / tail.len() as f64)
+    }
 }
 
 async fn serve(args: RunArgs) -> anyhow::Result<()> {
@@ -436,14 +444,26 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let mut answered_directly: HashMap<PeerKey, Instant> = HashMap::new();
     let mut timer = tokio::time::interval(Duration::from_millis(100));
     timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-    let ctrl_c = tokio::signal::ctrl_c();
-    tokio::pin!(ctrl_c);
+    let stop = stop_requested();
+    tokio::pin!(stop);
+    let report_every = Duration::try_from_secs_f32(args.report_every)
+        .with_context(|| format!("--report-every {}", args.report_every))?;
+    let mut reported = Instant::now();
+    let report_context = ReportContext {
+        run_id: run_id.to_string(),
+        peer_id: handle.peer_id.to_string(),
+        backend: backend_name.clone(),
+        config: config.clone(),
+        resume,
+        start,
+        memory: memory.clone(),
+    };
     let mut stall = Stall::new(args.stall_timeout)?;
     // The caps on connections and streams follow what this peer's stage needs.
     let mut peers_needed = 0;
     let ending = loop {
         tokio::select! {
-            _ = &mut ctrl_c => break Ending::Interrupted,
+            signal = &mut stop => break Ending::Stopped(signal?),
             _ = timer.tick() => {
                 if peer.poll_timeout().is_some_and(|t| t <= now()) {
                     peer.handle_timeout(now());
@@ -455,6 +475,15 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     tracing::debug!(needed, ?caps, "connection and stream caps");
                 }
                 progress.maybe_print(&peer, &tally, start);
+                if let Some(path) = &args.report
+                    && reported.elapsed() >= report_every
+                {
+                    reported = Instant::now();
+                    let report = RunReport::new("running", &report_context, &peer, &tally, &ids);
+                    if let Err(e) = report::write_json(path, &report) {
+                        tracing::warn!("{e:#}");
+                    }
+                }
                 progress.download(&peer);
                 if tally.finished_at.is_none() {
                     if let Some(why) = stall.check(&peer) {
@@ -649,83 +678,58 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             }
         }
     }
-    let seconds = start.elapsed().as_secs_f64();
     let stats = peer.stats();
     let tokens = stats.microbatches_done * config.microbatch as u64 * config.seq as u64;
-    let window = (tally.loss_curve.len() / 10).clamp(1, 10);
-    let final_loss = (!tally.loss_curve.is_empty()).then(|| {
-        let tail = &tally.loss_curve[tally.loss_curve.len().saturating_sub(window)..];
-        tail.iter().map(|(_, l)| l).sum::<f64>() / tail.len() as f64
-    });
     println!(
         "{}: stage {} at step {}, {} microbatches ({} retried, {} dropped), {:.0} tokens/s{}",
-        match ending {
-            Ending::Done => "done",
-            Ending::Interrupted => "stopped",
-            Ending::Stalled(_) => "gave up",
+        match &ending {
+            Ending::Done => "done".to_string(),
+            Ending::Stopped(signal) => format!("stopped by {signal}"),
+            Ending::Stalled(_) => "gave up".to_string(),
         },
         peer.stage().map_or("-".into(), |s| s.to_string()),
         peer.step(),
         stats.microbatches_done,
         stats.microbatches_retried,
         stats.microbatches_dropped,
-        tokens as f64 / seconds.max(1e-9),
-        final_loss.map_or(String::new(), |l| format!(", loss {l:.4}")),
+        tokens as f64 / start.elapsed().as_secs_f64().max(1e-9),
+        tally
+            .final_loss()
+            .map_or(String::new(), |l| format!(", loss {l:.4}")),
     );
     if let Some(path) = &args.report {
-        let names = |m: &BTreeMap<Traffic, u64>| {
-            Traffic::ALL
-                .iter()
-                .map(|t| (t.name().to_string(), m.get(t).copied().unwrap_or(0)))
-                .collect::<BTreeMap<_, _>>()
+        let status = match ending {
+            Ending::Done => "done",
+            Ending::Stopped(_) => "stopped",
+            Ending::Stalled(_) => "gave up",
         };
-        let report = RunReport {
-            run_id: run_id.to_string(),
-            peer_id: handle.peer_id.to_string(),
-            backend: backend_name.clone(),
-            preset: config.preset.clone(),
-            sync: config.sync.to_string(),
-            stage: peer.stage(),
-            stages: config.stages,
-            steps: peer.step(),
-            rounds: peer.round(),
-            params_hash: peer.params_hash().map(|h| format!("{h:016x}")),
-            resumed_from_step: resume.map(|r| r.step),
-            microbatches_done: stats.microbatches_done,
-            microbatches_retried: stats.microbatches_retried,
-            microbatches_dropped: stats.microbatches_dropped,
-            rounds_degraded: stats.rounds_degraded,
-            state_transfers: stats.state_transfers,
-            state_bytes_received: stats.state_bytes_received,
-            state_restarts: stats.state_restarts,
-            moves: stats.moves,
-            violations: stats.violations,
-            violations_by_kind: tally
-                .violations
-                .iter()
-                .map(|((from, what), n)| (peer_id(&ids, *from), what.to_string(), *n))
-                .collect(),
-            banned: tally.banned,
-            final_loss,
-            loss_curve: tally.loss_curve,
-            committed_samples: tally.committed,
-            tokens,
-            tokens_per_s: tokens as f64 / seconds.max(1e-9),
-            seconds,
-            bytes_sent: names(&tally.bytes_sent),
-            bytes_received: names(&tally.bytes_received),
-            boundary_codecs: tally.boundary_codecs,
-            stage_history: tally.stage_history,
-            step_samples: tally.step_samples,
-            device_memory_peak_bytes: memory.peak.load(Ordering::Relaxed),
-            memory_limit_bytes: Some(memory.limit.load(Ordering::Relaxed)).filter(|l| *l > 0),
-            offloaded_bytes: memory.offloaded.load(Ordering::Relaxed),
-        };
-        report::write_json(path, &report)?;
+        report::write_json(path, &RunReport::new(status, &report_context, &peer, &tally, &ids))?;
     }
     match ending {
         Ending::Stalled(why) => bail!("{why}"),
-        Ending::Done | Ending::Interrupted => Ok(()),
+        Ending::Done | Ending::Stopped(_) => Ok(()),
+    }
+}
+
+/// Resolves with the signal's name when the process is asked to stop: SIGINT (Ctrl-C) or,
+/// on Unix, SIGTERM, as `kill`, docker and systemd stop a process. Both leave the swarm the
+/// same way: checkpoint, report, goodbye.
+async fn stop_requested() -> anyhow::Result<&'static str> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r.map(|()| "SIGINT").context("cannot listen for SIGINT"),
+            _ = term.recv() => Ok("SIGTERM"),
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        tokio::signal::ctrl_c()
+            .await
+            .map(|()| "Ctrl-C")
+            .context("cannot listen for Ctrl-C")
     }
 }
 
@@ -733,8 +737,8 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
 enum Ending {
     /// The run reached its last step.
     Done,
-    /// Ctrl-C.
-    Interrupted,
+    /// SIGINT (Ctrl-C) or SIGTERM (`kill`, `docker stop`, `systemctl stop`): which.
+    Stopped(&'static str),
     /// No step for `--stall-timeout` with a stage unserved: why.
     Stalled(String),
 }

@@ -361,6 +361,15 @@ impl RunProcess {
         }
     }
 
+    /// Asks the process to stop with SIGTERM, as `kill`, docker and systemd do.
+    #[cfg(unix)]
+    pub fn terminate(&mut self) {
+        let pid = libc::pid_t::try_from(self.child.id()).expect("a pid");
+        // SAFETY: kill(2) with a pid this test started and has not reaped yet.
+        let sent = unsafe { libc::kill(pid, libc::SIGTERM) };
+        assert_eq!(sent, 0, "{}: SIGTERM not sent", self.name);
+    }
+
     /// Kills the process with SIGKILL (no checkpoint, no goodbye).
     pub fn kill(&mut self) {
         let _ = self.child.kill();

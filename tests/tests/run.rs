@@ -405,6 +405,68 @@ fn a_peer_left_alone_gives_up_with_an_error() {
     assert!(dir.join("p0-ckpt").join("stage.ckpt").exists());
 }
 
+/// SIGTERM (how `kill`, docker and systemd stop a process) leaves what Ctrl-C leaves: the
+/// checkpoint and the report, written on the way out; a report is also on disk while the peer
+/// runs. Restarted on its checkpoint, the peer resumes where it stopped.
+#[test]
+fn sigterm_writes_the_checkpoint_and_the_report_and_a_restart_resumes() {
+    let _turn = ONE_SWARM_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("run-sigterm");
+    let args: Vec<String> = [
+        "--preset",
+        "nano",
+        "--global-batch",
+        "8",
+        "--microbatch",
+        "4",
+        "--seq",
+        "32",
+        "--max-steps",
+        "100000",
+        "--report-every",
+        "1",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut peer = start(&dir, "p0", &args);
+    peer.wait_step(3, LONG);
+    let running = {
+        let deadline = std::time::Instant::now() + LONG;
+        loop {
+            if let Ok(text) = std::fs::read_to_string(&peer.report)
+                && let Ok(report) = serde_json::from_str::<Value>(&text)
+            {
+                break report;
+            }
+            assert!(std::time::Instant::now() < deadline, "no report while running");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    assert_eq!(running["status"], "running", "{running}");
+    peer.wait_step(6, LONG);
+    peer.terminate();
+    let status = peer.wait_exit(Duration::from_secs(60));
+    assert!(status.success(), "SIGTERM is a clean stop: {status}");
+    peer.wait_line(LONG, |l| l.starts_with("stopped by SIGTERM"));
+    let report = peer.report();
+    assert_eq!(report["status"], "stopped", "{report}");
+    let steps = report["steps"].as_u64().unwrap();
+    assert!(steps >= 6, "{report}");
+    let written = peer.wait_line(LONG, |l| l.starts_with("checkpoint written at step"));
+    assert!(written.ends_with(&format!("step {steps}")), "{written}");
+    assert!(dir.join("p0-ckpt").join("stage.ckpt").exists());
+
+    let mut again = start(&dir, "p0", &args);
+    let resumed = again.wait_line(LONG, |l| l.starts_with("resuming stage"));
+    assert!(resumed.contains(&format!("at step {steps} ")), "{resumed}");
+    again.wait_step(steps + 2, LONG);
+    again.terminate();
+    assert!(again.wait_exit(Duration::from_secs(60)).success());
+    assert_eq!(again.report()["resumed_from_step"].as_u64(), Some(steps));
+}
+
 /// A joiner pulls a stage's state (`mini` in one stage: about 400 MB with its AdamW moments)
 /// from both replicas at once, each capped at 80 MB/s so the download takes seconds even on
 /// loopback; one source is killed a third of the way and the download finishes from the

@@ -1,11 +1,22 @@
-//! What a swarm peer reports on exit (`shoal run --report`).
+//! What a swarm peer reports (`shoal run --report`): every `--report-every` seconds while it
+//! runs, so a peer that crashes leaves one, and on exit.
 
+use super::compute::MemoryTally;
+use super::{Tally, peer_id};
+use libp2p::PeerId;
 use serde::Serialize;
-use std::collections::BTreeMap;
+use shoal_protocol::swarm::message::Traffic;
+use shoal_protocol::swarm::{Peer, PeerKey, Resume, RunConfig};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
 
-/// The JSON report written on exit.
+/// The JSON report.
 #[derive(Debug, Serialize)]
 pub(super) struct RunReport {
+    /// `running` (a report written on the way), `done` (the run reached its last step),
+    /// `stopped` (SIGINT or SIGTERM) or `gave up` (`--stall-timeout`).
+    pub(super) status: &'static str,
     pub(super) run_id: String,
     pub(super) peer_id: String,
     /// The compute backend this peer ran its stage on.
@@ -61,4 +72,81 @@ pub(super) struct RunReport {
     pub(super) memory_limit_bytes: Option<u64>,
     /// Bytes those blocks moved between host and device (the most one stage replica moved).
     pub(super) offloaded_bytes: u64,
+}
+
+/// What a report says that does not change while the peer runs.
+pub(super) struct ReportContext {
+    pub(super) run_id: String,
+    pub(super) peer_id: String,
+    pub(super) backend: String,
+    pub(super) config: RunConfig,
+    pub(super) resume: Option<Resume>,
+    pub(super) start: Instant,
+    pub(super) memory: std::sync::Arc<MemoryTally>,
+}
+
+impl RunReport {
+    /// The report as things stand.
+    pub(super) fn new(
+        status: &'static str,
+        ctx: &ReportContext,
+        peer: &Peer,
+        tally: &Tally,
+        ids: &HashMap<PeerKey, PeerId>,
+    ) -> RunReport {
+        let config = &ctx.config;
+        let seconds = ctx.start.elapsed().as_secs_f64();
+        let stats = peer.stats();
+        let tokens = stats.microbatches_done * u64::from(config.microbatch) * u64::from(config.seq);
+        let names = |m: &BTreeMap<Traffic, u64>| {
+            Traffic::ALL
+                .iter()
+                .map(|t| (t.name().to_string(), m.get(t).copied().unwrap_or(0)))
+                .collect::<BTreeMap<_, _>>()
+        };
+        let memory = &ctx.memory;
+        RunReport {
+            status,
+            run_id: ctx.run_id.clone(),
+            peer_id: ctx.peer_id.clone(),
+            backend: ctx.backend.clone(),
+            preset: config.preset.clone(),
+            sync: config.sync.to_string(),
+            stage: peer.stage(),
+            stages: config.stages,
+            steps: peer.step(),
+            rounds: peer.round(),
+            params_hash: peer.params_hash().map(|h| format!("{h:016x}")),
+            resumed_from_step: ctx.resume.map(|r| r.step),
+            microbatches_done: stats.microbatches_done,
+            microbatches_retried: stats.microbatches_retried,
+            microbatches_dropped: stats.microbatches_dropped,
+            rounds_degraded: stats.rounds_degraded,
+            state_transfers: stats.state_transfers,
+            state_bytes_received: stats.state_bytes_received,
+            state_restarts: stats.state_restarts,
+            moves: stats.moves,
+            violations: stats.violations,
+            violations_by_kind: tally
+                .violations
+                .iter()
+                .map(|((from, what), n)| (peer_id(ids, *from), what.to_string(), *n))
+                .collect(),
+            banned: tally.banned.clone(),
+            final_loss: tally.final_loss(),
+            loss_curve: tally.loss_curve.clone(),
+            committed_samples: tally.committed.clone(),
+            tokens,
+            tokens_per_s: tokens as f64 / seconds.max(1e-9),
+            seconds,
+            bytes_sent: names(&tally.bytes_sent),
+            bytes_received: names(&tally.bytes_received),
+            boundary_codecs: tally.boundary_codecs.clone(),
+            stage_history: tally.stage_history.clone(),
+            step_samples: tally.step_samples.clone(),
+            device_memory_peak_bytes: memory.peak.load(Ordering::Relaxed),
+            memory_limit_bytes: Some(memory.limit.load(Ordering::Relaxed)).filter(|l| *l > 0),
+            offloaded_bytes: memory.offloaded.load(Ordering::Relaxed),
+        }
+    }
 }
