@@ -10,6 +10,21 @@ use std::path::PathBuf;
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Read flags from a TOML file, one key per flag (`global_batch = 64`, `recompute =
+    /// true`, `bootstrap = ["/ip4/..."]`); flags on the command line override its keys.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// How log records (stderr; filtered by RUST_LOG, `warn` by default) are written: text
+    /// for people, or json, one object per line for log collectors.
+    #[arg(long, global = true, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// The format of log records.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]

@@ -8,6 +8,7 @@ mod bench;
 mod bench_average;
 mod bench_net;
 mod cli;
+mod config_file;
 mod devices;
 mod netsim;
 mod node;
@@ -25,7 +26,14 @@ fn main() -> ExitCode {
         // SAFETY: the first statement of main, before any other thread exists.
         unsafe { std::env::set_var("NODEVICE_SELECT", "1") };
     }
-    let args = match cli::Cli::try_parse() {
+    let argv = match config_file::expand(std::env::args_os().collect()) {
+        Ok(argv) => argv,
+        Err(e) => {
+            eprintln!("error: --config {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    let args = match cli::Cli::try_parse_from(argv) {
         Ok(args) => args,
         Err(e) => {
             use clap::error::ErrorKind;
@@ -43,13 +51,15 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        cli::LogFormat::Text => logs.init(),
+        cli::LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
     let result = match args.command {
         cli::Command::Train(a) => train::run(a),
         cli::Command::Run(a) => run::run(*a),
