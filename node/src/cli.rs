@@ -125,6 +125,11 @@ pub struct NodeArgs {
     /// The run (or public swarm) to join.
     #[arg(long, default_value = "public")]
     pub run: String,
+    /// Serve Prometheus metrics at http://ADDR/metrics, e.g. `127.0.0.1:9100` (port 0: any
+    /// free port, printed at start). For the operator: bind it to localhost or a private
+    /// network.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
     /// Read commands from stdin and print events to stdout, one JSON object per line.
     #[arg(long)]
     pub control: bool,
@@ -191,6 +196,11 @@ pub struct RunArgs {
     /// which: running, done, stopped or gave up).
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics, e.g. `127.0.0.1:9100` (port 0: any
+    /// free port, printed at start). For the operator: bind it to localhost or a private
+    /// network.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<std::net::SocketAddr>,
     /// Seconds between the reports written while the peer runs, so one that crashes or is
     /// killed leaves one.
     #[arg(long, default_value = "15", value_parser = positive_f32)]

@@ -44,8 +44,8 @@ pub fn expand(argv: Vec<OsString>) -> anyhow::Result<Vec<OsString>> {
     let path = Path::new(&path);
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let flags = flags_of(&text, &command, &rest[after..])
-        .with_context(|| format!("{}", path.display()))?;
+    let flags =
+        flags_of(&text, &command, &rest[after..]).with_context(|| format!("{}", path.display()))?;
     let mut out = rest[..after].to_vec();
     out.extend(flags);
     out.extend(rest[after..].iter().cloned());
@@ -54,7 +54,11 @@ pub fn expand(argv: Vec<OsString>) -> anyhow::Result<Vec<OsString>> {
 
 /// The flags the TOML document `text` stands for, for `command`, leaving out those that
 /// `given` (the command line) sets itself.
-fn flags_of(text: &str, command: &clap::Command, given: &[OsString]) -> anyhow::Result<Vec<OsString>> {
+fn flags_of(
+    text: &str,
+    command: &clap::Command,
+    given: &[OsString],
+) -> anyhow::Result<Vec<OsString>> {
     let table: toml::Table = toml::from_str(text).context("not a TOML table of flags")?;
     let longs: Vec<&str> = command
         .get_arguments()
@@ -71,8 +75,9 @@ fn flags_of(text: &str, command: &clap::Command, given: &[OsString]) -> anyhow::
         }
         let flag = format!("--{long}");
         let on_command_line = given.iter().any(|a| {
-            a.to_str()
-                .is_some_and(|a| a == flag || a.strip_prefix(&flag).is_some_and(|r| r.starts_with('=')))
+            a.to_str().is_some_and(|a| {
+                a == flag || a.strip_prefix(&flag).is_some_and(|r| r.starts_with('='))
+            })
         });
         if on_command_line {
             continue;
@@ -108,7 +113,10 @@ mod tests {
     fn parse(argv: &[&str], file: &str) -> anyhow::Result<crate::cli::RunArgs> {
         let dir = std::env::temp_dir().join(format!("shoal-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
-        let path = dir.join(format!("{:x}.toml", xxhash_rust::xxh3::xxh3_64(file.as_bytes())));
+        let path = dir.join(format!(
+            "{:x}.toml",
+            xxhash_rust::xxh3::xxh3_64(file.as_bytes())
+        ));
         std::fs::write(&path, file)?;
         let mut args: Vec<OsString> = ["shoal", "run", "--config"].map(OsString::from).to_vec();
         args.push(path.into_os_string());
@@ -149,7 +157,10 @@ mod tests {
     #[test]
     fn a_bad_file_says_which_key_and_why() {
         let e = format!("{:#}", parse(&[], "stagez = 3").unwrap_err());
-        assert!(e.contains("unknown key `stagez`") && e.contains("--stagez"), "{e}");
+        assert!(
+            e.contains("unknown key `stagez`") && e.contains("--stagez"),
+            "{e}"
+        );
         let e = format!("{:#}", parse(&[], "[stages]\nx = 1").unwrap_err());
         assert!(e.contains("key `stages`"), "{e}");
         let e = format!("{:#}", parse(&[], "stages = ").unwrap_err());

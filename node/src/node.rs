@@ -5,11 +5,17 @@
 use crate::cli::NodeArgs;
 use anyhow::Context;
 use libp2p::{Multiaddr, PeerId};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
 use serde::Deserialize;
 use serde_json::json;
 use shoal_node::net::{self, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::{Codec, Decoder, Encoder, FrameKind};
+use std::collections::HashSet;
 use std::io::Write;
+use std::sync::Arc;
 use std::time::Instant;
 use tokio::io::AsyncBufReadExt;
 
@@ -31,6 +37,82 @@ enum ControlCommand {
     Listen { addr: String },
     /// List connected peers.
     Peers,
+}
+
+/// What `shoal node --metrics` exports.
+struct NodeMetrics {
+    connected: HashSet<PeerId>,
+    peers: Gauge,
+    events: Family<Vec<(&'static str, String)>, Counter>,
+    frames: Counter,
+    frame_bytes: Counter,
+}
+
+impl NodeMetrics {
+    fn new(peer: &PeerId) -> (NodeMetrics, Registry) {
+        let mut r = Registry::with_prefix("shoal");
+        let info: Family<Vec<(&'static str, String)>, Gauge> = Family::default();
+        info.get_or_create(&vec![
+            ("peer", peer.to_string()),
+            ("version", env!("CARGO_PKG_VERSION").to_string()),
+        ])
+        .set(1);
+        r.register("node_info", "The node: peer id, version", info);
+        let m = NodeMetrics {
+            connected: HashSet::new(),
+            peers: Gauge::default(),
+            events: Family::default(),
+            frames: Counter::default(),
+            frame_bytes: Counter::default(),
+        };
+        r.register(
+            "connected_peers",
+            "Peers with a connection to this node",
+            m.peers.clone(),
+        );
+        r.register(
+            "network_events",
+            "Network events by kind (connected, discovered, gossip, hole_punched, ...)",
+            m.events.clone(),
+        );
+        r.register(
+            "frames_received",
+            "Frames received on tensor streams",
+            m.frames.clone(),
+        );
+        r.register_with_unit(
+            "frames_received",
+            "Bytes of the frames received on tensor streams",
+            Unit::Bytes,
+            m.frame_bytes.clone(),
+        );
+        (m, r)
+    }
+
+    fn event(&mut self, event: &NodeEvent) {
+        let kind = match event {
+            NodeEvent::Connected(p) => {
+                self.connected.insert(*p);
+                "connected"
+            }
+            NodeEvent::Disconnected(p) => {
+                self.connected.remove(p);
+                "disconnected"
+            }
+            NodeEvent::Discovered(_) => "discovered",
+            NodeEvent::Gossip { .. } => "gossip",
+            NodeEvent::RelayReservation(_) => "relay_reservation",
+            NodeEvent::HolePunched(_) => "hole_punched",
+            NodeEvent::HolePunchFailed(..) => "hole_punch_failed",
+            NodeEvent::Reachability(_) => "reachability",
+            _ => return,
+        };
+        self.peers
+            .set(i64::try_from(self.connected.len()).unwrap_or(i64::MAX));
+        self.events
+            .get_or_create(&vec![("kind", kind.to_string())])
+            .inc();
+    }
 }
 
 fn emit(value: serde_json::Value) {
@@ -77,6 +159,17 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
         );
     }
 
+    let mut metrics = match args.metrics {
+        Some(addr) => {
+            let (metrics, registry) = NodeMetrics::new(&handle.peer_id);
+            let bound = crate::metrics::serve(addr, Arc::new(registry)).await?;
+            if !control {
+                println!("metrics on http://{bound}/metrics");
+            }
+            Some(metrics)
+        }
+        None => None,
+    };
     let (line_tx, mut lines) = tokio::sync::mpsc::channel::<String>(64);
     if control {
         tokio::spawn(async move {
@@ -101,9 +194,18 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
                     Err(e) => emit(json!({"event": "bad_command", "error": e.to_string()})),
                 }
             }
-            Some(event) = events.recv() => report_event(event, control),
+            Some(event) = events.recv() => {
+                if let Some(m) = &mut metrics {
+                    m.event(&event);
+                }
+                report_event(event, control)
+            }
             Some(frame) = frames.recv() => {
                 let peer = frame.peer;
+                if let Some(m) = &metrics {
+                    m.frames.inc();
+                    m.frame_bytes.inc_by(frame.payload.len() as u64);
+                }
                 match frame.kind {
                     FrameKind::Tensor => match decoder.decode(&frame.payload, &mut values) {
                         Ok(header) => {

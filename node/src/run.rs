@@ -17,7 +17,8 @@ use shoal_compute::{Corpus, StageSpec};
 use shoal_node::net::{self, GossipCheck, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
-    Action, DataSource, Envelope, Event, Message, Peer, PeerKey, Resume, RunConfig, RunId, Timing,
+    Action, DataSource, Envelope, Event, Job, Message, Peer, PeerKey, Resume, RunConfig, RunId,
+    Timing,
 };
 use shoal_protocol::{FrameKind, TrafficCodecs};
 use shoal_worker::{StageWorker, model_of, stage_costs};
@@ -30,6 +31,7 @@ use tokio::sync::mpsc;
 mod checkpoint;
 mod compute;
 mod progress;
+mod run_metrics;
 mod run_report;
 
 /// Peers remembered as answered directly (see the run loop); forgotten all at once beyond it.
@@ -38,6 +40,7 @@ const MAX_ANSWERED_DIRECTLY: usize = 4096;
 use checkpoint::{check_run_config, load_checkpoint};
 use compute::{MemoryTally, Worker, WorkerMsg, spawn_worker};
 use progress::{Progress, Stall};
+use run_metrics::RunMetrics;
 use run_report::{ReportContext, RunReport};
 
 /// The run's configuration from the command line of the peer that creates it.
@@ -458,6 +461,23 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         start,
         memory: memory.clone(),
     };
+    let mut metrics = match args.metrics {
+        Some(addr) => {
+            let (metrics, registry) = RunMetrics::new(vec![
+                ("run", run_id.to_string()),
+                ("peer", handle.peer_id.to_string()),
+                ("backend", backend_name.clone()),
+                ("preset", config.preset.clone()),
+                ("version", env!("CARGO_PKG_VERSION").to_string()),
+            ]);
+            let bound = crate::metrics::serve(addr, Arc::new(registry)).await?;
+            println!("metrics on http://{bound}/metrics");
+            Some(metrics)
+        }
+        None => None,
+    };
+    // When this replica handed over its contribution to the round under way.
+    let mut contributed_at: Option<Instant> = None;
     let mut stall = Stall::new(args.stall_timeout)?;
     // The caps on connections and streams follow what this peer's stage needs.
     let mut peers_needed = 0;
@@ -475,6 +495,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     tracing::debug!(needed, ?caps, "connection and stream caps");
                 }
                 progress.maybe_print(&peer, &tally, start);
+                if let Some(m) = &mut metrics {
+                    m.refresh(&peer, &tally, &memory);
+                }
                 if let Some(path) = &args.report
                     && reported.elapsed() >= report_every
                 {
@@ -568,6 +591,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     }
                     other => other,
                 };
+                if matches!(done, shoal_protocol::swarm::ComputeDone::Gradient { .. }) {
+                    contributed_at = Some(Instant::now());
+                }
                 peer.handle_compute_done(done, now())
             }
             Some(k) = failed_rx.recv() => peer.handle_send_failed(k, now()),
@@ -635,6 +661,11 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     });
                 }
                 Action::Compute(job) => {
+                    if matches!(job, Job::Step { .. } | Job::OuterStep { .. })
+                        && let (Some(m), Some(t)) = (&metrics, contributed_at.take())
+                    {
+                        m.averaged(t.elapsed().as_secs_f64());
+                    }
                     if jobs.send(WorkerMsg::Job(job)).is_err() {
                         bail!("the compute thread stopped");
                     }
@@ -703,7 +734,10 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             Ending::Stopped(_) => "stopped",
             Ending::Stalled(_) => "gave up",
         };
-        report::write_json(path, &RunReport::new(status, &report_context, &peer, &tally, &ids))?;
+        report::write_json(
+            path,
+            &RunReport::new(status, &report_context, &peer, &tally, &ids),
+        )?;
     }
     match ending {
         Ending::Stalled(why) => bail!("{why}"),

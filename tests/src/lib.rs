@@ -420,6 +420,29 @@ impl Drop for RunProcess {
     }
 }
 
+/// The body of `GET /metrics` at `url` (`http://HOST:PORT/metrics`, as a peer prints it).
+pub fn scrape(url: &str) -> String {
+    use std::io::Read;
+    let rest = url.strip_prefix("http://").expect("an http:// url");
+    let (host, path) = rest.split_once('/').expect("a path");
+    let mut stream = std::net::TcpStream::connect(host).expect("connect to the metrics endpoint");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(stream, "GET /{path} HTTP/1.1\r\nhost: {host}\r\n\r\n").expect("request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    body.to_owned()
+}
+
+/// The value of the sample `name` (with its labels, as printed) in a metrics text.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
 /// The first item (already `seen`, or arriving on `rx` within `timeout`, which is then kept in
 /// `seen`) that matches `pred`.
 fn wait_matching<T: Clone>(

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use serde_json::Value;
-use shoal_tests::{RunProcess, temp_dir};
+use shoal_tests::{RunProcess, metric, scrape, temp_dir};
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 use std::time::Duration;
@@ -405,6 +405,119 @@ fn a_peer_left_alone_gives_up_with_an_error() {
     assert!(dir.join("p0-ckpt").join("stage.ckpt").exists());
 }
 
+/// Three peers of a real run serve Prometheus metrics: every family with its type, and the
+/// counters rise while the run trains.
+#[test]
+fn peers_serve_prometheus_metrics_that_rise_as_the_run_trains() {
+    let _turn = ONE_SWARM_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = temp_dir("run-metrics");
+    let metrics = ["--metrics", "127.0.0.1:0"].map(String::from).to_vec();
+    let mut creator_args: Vec<String> = [
+        "--preset",
+        "nano",
+        "--stages",
+        "2",
+        "--global-batch",
+        "8",
+        "--microbatch",
+        "4",
+        "--seq",
+        "32",
+        "--max-steps",
+        "100000",
+        "--stage",
+        "0",
+    ]
+    .map(String::from)
+    .to_vec();
+    creator_args.extend(metrics.clone());
+    let mut peers = vec![start(&dir, "p0", &creator_args)];
+    let (run_id, boot) = run_to_join(&mut peers[0]);
+    for (name, stage) in [("p1", "1"), ("p2", "1")] {
+        let mut args = vec![
+            "--run".into(),
+            run_id.clone(),
+            "--bootstrap".into(),
+            boot.clone(),
+        ];
+        args.extend(["--stage".into(), stage.into()]);
+        args.extend(metrics.clone());
+        peers.push(start(&dir, name, &args));
+    }
+    let urls: Vec<String> = peers
+        .iter_mut()
+        .map(|p| {
+            let line = p.wait_line(LONG, |l| l.starts_with("metrics on http://"));
+            line.trim_start_matches("metrics on ").to_owned()
+        })
+        .collect();
+    for p in &mut peers {
+        p.wait_step(3, LONG);
+    }
+    let before: Vec<String> = urls.iter().map(|u| scrape(u)).collect();
+    for p in &mut peers {
+        let at = p.step();
+        p.wait_step(at + 3, LONG);
+    }
+    let after: Vec<String> = urls.iter().map(|u| scrape(u)).collect();
+    for (i, (before, after)) in before.iter().zip(&after).enumerate() {
+        for (family, kind) in [
+            ("shoal_peer_info", "gauge"),
+            ("shoal_step", "gauge"),
+            ("shoal_loss", "gauge"),
+            ("shoal_tokens", "counter"),
+            ("shoal_throughput_tokens_per_second", "gauge"),
+            ("shoal_traffic_bytes", "counter"),
+            ("shoal_microbatches", "counter"),
+            ("shoal_stage_peers", "gauge"),
+            ("shoal_averaging_round_duration_seconds", "histogram"),
+            ("shoal_state_download_held_bytes", "gauge"),
+            ("shoal_device_memory_peak_bytes", "gauge"),
+        ] {
+            assert!(
+                after.contains(&format!("# TYPE {family} {kind}\n")),
+                "p{i}: no {kind} {family}:\n{after}"
+            );
+        }
+        assert!(after.ends_with("# EOF\n"), "p{i}: {after}");
+        let rose = |name: &str| {
+            let (b, a) = (metric(before, name), metric(after, name));
+            assert!(
+                a.unwrap_or(0.0) > b.unwrap_or(0.0),
+                "p{i}: {name} did not rise ({b:?} to {a:?})"
+            );
+        };
+        rose("shoal_step");
+        rose("shoal_tokens_total");
+        rose("shoal_averaging_rounds_total");
+        rose("shoal_averaging_round_duration_seconds_count");
+        let stage = metric(after, "shoal_stage").unwrap();
+        let (sent, received) = if stage == 0.0 {
+            ("activations", "activation_grads")
+        } else {
+            ("activation_grads", "activations")
+        };
+        rose(&format!(
+            "shoal_traffic_bytes_total{{direction=\"sent\",kind=\"{sent}\"}}"
+        ));
+        rose(&format!(
+            "shoal_traffic_bytes_total{{direction=\"received\",kind=\"{received}\"}}"
+        ));
+        let seen: f64 = (0..2)
+            .filter_map(|s| metric(after, &format!("shoal_stage_peers{{stage=\"{s}\"}}")))
+            .sum();
+        assert_eq!(seen, 3.0, "p{i} sees every peer");
+        assert!(metric(after, "shoal_device_memory_peak_bytes").unwrap() > 0.0);
+    }
+    // The stage-1 replicas average with each other: their traffic has averaging in it.
+    for (i, after) in after.iter().enumerate().skip(1) {
+        let name = "shoal_traffic_bytes_total{direction=\"sent\",kind=\"averaging\"}";
+        assert!(metric(after, name).unwrap() > 0.0, "p{i}: {after}");
+    }
+}
+
 /// SIGTERM (how `kill`, docker and systemd stop a process) leaves what Ctrl-C leaves: the
 /// checkpoint and the report, written on the way out; a report is also on disk while the peer
 /// runs. Restarted on its checkpoint, the peer resumes where it stopped.
@@ -440,7 +553,10 @@ fn sigterm_writes_the_checkpoint_and_the_report_and_a_restart_resumes() {
             {
                 break report;
             }
-            assert!(std::time::Instant::now() < deadline, "no report while running");
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no report while running"
+            );
             std::thread::sleep(Duration::from_millis(200));
         }
     };
