@@ -201,6 +201,11 @@ pub struct RunArgs {
     /// network.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<std::net::SocketAddr>,
+    /// Serve a live dashboard of the run at http://ADDR/ (the swarm by stage, loss and
+    /// throughput curves, recent events), e.g. `127.0.0.1:8080`; it may share --metrics'
+    /// address. For the operator: bind it to localhost or a private network.
+    #[arg(long, value_name = "ADDR")]
+    pub dashboard: Option<std::net::SocketAddr>,
     /// Seconds between the reports written while the peer runs, so one that crashes or is
     /// killed leaves one.
     #[arg(long, default_value = "15", value_parser = positive_f32)]

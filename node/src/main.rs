@@ -10,7 +10,7 @@ mod bench_net;
 mod cli;
 mod config_file;
 mod devices;
-mod metrics;
+mod http;
 mod netsim;
 mod node;
 mod report;

@@ -162,8 +162,16 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     let mut metrics = match args.metrics {
         Some(addr) => {
             let (metrics, registry) = NodeMetrics::new(&handle.peer_id);
-            let bound = crate::metrics::serve(addr, Arc::new(registry)).await?;
-            if !control {
+            let routes = crate::http::Routes {
+                metrics: Some(Arc::new(registry)),
+                dashboard: None,
+            };
+            let bound = crate::http::serve(addr, routes)
+                .await
+                .context("--metrics")?;
+            if control {
+                emit(json!({"event": "metrics", "url": format!("http://{bound}/metrics")}));
+            } else {
                 println!("metrics on http://{bound}/metrics");
             }
             Some(metrics)

@@ -30,6 +30,7 @@ use tokio::sync::mpsc;
 
 mod checkpoint;
 mod compute;
+mod dashboard;
 mod progress;
 mod run_metrics;
 mod run_report;
@@ -40,7 +41,6 @@ const MAX_ANSWERED_DIRECTLY: usize = 4096;
 use checkpoint::{check_run_config, load_checkpoint};
 use compute::{MemoryTally, Worker, WorkerMsg, spawn_worker};
 use progress::{Progress, Stall};
-use run_metrics::RunMetrics;
 use run_report::{ReportContext, RunReport};
 
 /// The run's configuration from the command line of the peer that creates it.
@@ -461,21 +461,26 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         start,
         memory: memory.clone(),
     };
-    let mut metrics = match args.metrics {
-        Some(addr) => {
-            let (metrics, registry) = RunMetrics::new(vec![
-                ("run", run_id.to_string()),
-                ("peer", handle.peer_id.to_string()),
-                ("backend", backend_name.clone()),
-                ("preset", config.preset.clone()),
-                ("version", env!("CARGO_PKG_VERSION").to_string()),
-            ]);
-            let bound = crate::metrics::serve(addr, Arc::new(registry)).await?;
-            println!("metrics on http://{bound}/metrics");
-            Some(metrics)
-        }
-        None => None,
-    };
+    let (mut metrics, mut dashboard) = dashboard::serve_endpoints(
+        args.metrics,
+        args.dashboard,
+        vec![
+            ("run", run_id.to_string()),
+            ("peer", handle.peer_id.to_string()),
+            ("backend", backend_name.clone()),
+            ("preset", config.preset.clone()),
+            ("version", env!("CARGO_PKG_VERSION").to_string()),
+        ],
+        serde_json::json!({
+            "run": run_id.to_string(),
+            "id": handle.peer_id.to_string(),
+            "backend": backend_name,
+            "preset": config.preset,
+            "stages": config.stages,
+            "sync": config.sync.to_string(),
+        }),
+    )
+    .await?;
     // When this replica handed over its contribution to the round under way.
     let mut contributed_at: Option<Instant> = None;
     let mut stall = Stall::new(args.stall_timeout)?;
@@ -497,6 +502,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                 progress.maybe_print(&peer, &tally, start);
                 if let Some(m) = &mut metrics {
                     m.refresh(&peer, &tally, &memory);
+                }
+                if let Some(d) = &mut dashboard {
+                    d.refresh(&peer, &tally, &ids);
                 }
                 if let Some(path) = &args.report
                     && reported.elapsed() >= report_every
@@ -548,7 +556,12 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     ids.insert(key_of(&p), p);
                 }
                 NodeEvent::Disconnected(p) => peer.handle_peer_lost(key_of(&p), now()),
-                NodeEvent::Rtt(p, rtt) => peer.handle_rtt(key_of(&p), rtt),
+                NodeEvent::Rtt(p, rtt) => {
+                    if let Some(d) = &mut dashboard {
+                        d.rtt(key_of(&p), rtt);
+                    }
+                    peer.handle_rtt(key_of(&p), rtt)
+                }
                 _ => {}
             },
             Some(frame) = frames.recv() => {
@@ -676,6 +689,9 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     {
                         let h = handle.clone();
                         tokio::spawn(async move { h.ban(pid).await });
+                    }
+                    if let Some(d) = &mut dashboard {
+                        d.on_event(&e, &ids);
                     }
                     on_event(e, &peer, &ids, &mut tally);
                 }

@@ -50,7 +50,15 @@ fn nodes_reachable_only_through_a_relay_exchange_a_tensor() {
     let mut hidden = NodeProcess::start_without_listen(
         &dir,
         "hidden",
-        &["--no-mdns", "--bootstrap", &relay.addr, "--run", &run],
+        &[
+            "--no-mdns",
+            "--bootstrap",
+            &relay.addr,
+            "--run",
+            &run,
+            "--metrics",
+            "127.0.0.1:0",
+        ],
     );
     hidden.send(json!({"op": "listen", "addr": circuit}));
     hidden.wait_for(Duration::from_secs(60), |e| {
@@ -83,6 +91,23 @@ fn nodes_reachable_only_through_a_relay_exchange_a_tensor() {
         e["event"] == "tensor" && e["from"] == outside_id.as_str()
     });
     assert_eq!(got["checksum"], sent["checksum"]);
+    // Its metrics say what happened: connected to two peers, a frame received.
+    let url = hidden.wait_for(Duration::from_secs(10), |e| e["event"] == "metrics")["url"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let text = shoal_tests::scrape(&url);
+    let metric = |name: &str| shoal_tests::metric(&text, name).unwrap_or(0.0);
+    assert!(metric("shoal_connected_peers") >= 2.0, "{text}");
+    assert!(metric("shoal_frames_received_total") >= 1.0, "{text}");
+    assert!(
+        metric("shoal_frames_received_bytes_total") >= 100_000.0,
+        "{text}"
+    );
+    assert!(
+        text.contains("# TYPE shoal_network_events counter"),
+        "{text}"
+    );
     // Hole punching may or may not succeed here (loopback has no NAT to punch); say which.
     outside.drain(Duration::from_secs(3));
     let punched = outside
