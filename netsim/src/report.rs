@@ -48,6 +48,9 @@ pub struct Report {
     pub loss_curve: Vec<(f64, u64, f64)>,
     /// `[sim_s, tokens trained so far]` per step.
     pub tokens_curve: Vec<(f64, u64)>,
+    /// Device-seconds of work given to the peers serving each stage, by stage (the stage a
+    /// peer served when it was given the job).
+    pub stage_busy_seconds: Vec<f64>,
     /// Bytes sent, by kind of traffic (`gossip`: announcements through the gossip mesh,
     /// every copy and id advertisement; `control` holds those sent directly).
     pub bytes: BTreeMap<String, u64>,
@@ -311,162 +314,6 @@ impl Report {
         row(&mut out, "event hash", self.event_hash.clone());
         out
     }
-
-    /// The loss and throughput curves against simulated time, as an SVG image.
-    pub fn svg(&self, title: &str) -> String {
-        let (w, h) = (900.0, 560.0);
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#
-        );
-        let _ = writeln!(s, r#"<rect width="{w}" height="{h}" fill="white"/>"#);
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="20" text-anchor="middle" font-size="14">{}</text>"#,
-            w / 2.0,
-            escape(title)
-        );
-        let t_max = self.sim_seconds.max(1e-9);
-        let loss: Vec<(f64, f64)> = self.loss_curve.iter().map(|p| (p.0, p.2)).collect();
-        let rate = throughput(&self.tokens_curve, t_max);
-        panel(
-            &mut s,
-            (60.0, 40.0, 800.0, 220.0),
-            t_max,
-            &loss,
-            "loss",
-            "#1f77b4",
-        );
-        panel(
-            &mut s,
-            (60.0, 310.0, 800.0, 200.0),
-            t_max,
-            &rate,
-            "tokens/s",
-            "#d62728",
-        );
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{}" text-anchor="middle">simulated seconds</text>"#,
-            w / 2.0,
-            h - 12.0
-        );
-        s.push_str("</svg>\n");
-        s
-    }
-}
-
-/// Tokens per second over about 40 equal windows of simulated time.
-fn throughput(curve: &[(f64, u64)], t_max: f64) -> Vec<(f64, f64)> {
-    let windows = 40;
-    let dt = t_max / windows as f64;
-    let at = |t: f64| -> f64 {
-        // Tokens trained by time t (linear between steps).
-        let Some(last) = curve.last() else {
-            return 0.0;
-        };
-        match curve.iter().position(|p| p.0 >= t) {
-            None => last.1 as f64,
-            Some(0) => curve[0].1 as f64,
-            Some(i) => {
-                let (a, b) = (curve[i - 1], curve[i]);
-                let f = if b.0 > a.0 {
-                    (t - a.0) / (b.0 - a.0)
-                } else {
-                    1.0
-                };
-                a.1 as f64 + f * (b.1 as f64 - a.1 as f64)
-            }
-        }
-    };
-    (0..windows)
-        .map(|i| {
-            let (t0, t1) = (i as f64 * dt, (i + 1) as f64 * dt);
-            ((t0 + t1) / 2.0, (at(t1) - at(t0)) / dt)
-        })
-        .collect()
-}
-
-fn panel(
-    s: &mut String,
-    (x0, y0, pw, ph): (f64, f64, f64, f64),
-    t_max: f64,
-    points: &[(f64, f64)],
-    label: &str,
-    color: &str,
-) {
-    let _ = writeln!(
-        s,
-        r##"<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#888"/>"##
-    );
-    let (lo, hi) = points
-        .iter()
-        .map(|p| p.1)
-        .filter(|v| v.is_finite())
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), v| {
-            (a.min(v), b.max(v))
-        });
-    let (lo, hi) = if lo.is_finite() {
-        let lo = if label == "loss" { lo } else { 0.0 };
-        (lo, if hi > lo { hi } else { lo + 1.0 })
-    } else {
-        (0.0, 1.0)
-    };
-    let x = |t: f64| x0 + pw * t / t_max;
-    let y = |v: f64| y0 + ph - ph * (v - lo) / (hi - lo);
-    for (v, anchor) in [(lo, y0 + ph), (hi, y0 + 10.0)] {
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{anchor}" text-anchor="end">{}</text>"#,
-            x0 - 4.0,
-            short(v)
-        );
-    }
-    for t in [0.0, t_max / 2.0, t_max] {
-        let _ = writeln!(
-            s,
-            r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
-            x(t),
-            y0 + ph + 14.0,
-            short(t)
-        );
-    }
-    let _ = writeln!(
-        s,
-        r#"<text x="{}" y="{}" fill="{color}">{label}</text>"#,
-        x0 + 8.0,
-        y0 + 16.0
-    );
-    if points.is_empty() {
-        return;
-    }
-    let path: Vec<String> = points
-        .iter()
-        .filter(|p| p.1.is_finite())
-        .map(|p| format!("{:.1},{:.1}", x(p.0), y(p.1)))
-        .collect();
-    let _ = writeln!(
-        s,
-        r#"<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{}"/>"#,
-        path.join(" ")
-    );
-}
-
-fn short(v: f64) -> String {
-    if v.abs() >= 1e4 {
-        format!("{:.3e}", v)
-    } else if v.abs() >= 10.0 {
-        format!("{v:.0}")
-    } else {
-        format!("{v:.2}")
-    }
-}
-
-fn escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
 }
 
 /// Bytes in human units.
@@ -480,19 +327,5 @@ pub fn human(bytes: u64) -> String {
         format!("{:.1} kB", b / 1e3)
     } else {
         format!("{bytes} B")
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn throughput_windows_follow_the_tokens_curve() {
-        // 100 tokens/s for 10 s.
-        let curve: Vec<(f64, u64)> = (0..=10).map(|i| (i as f64, 100 * i as u64)).collect();
-        for (_, r) in throughput(&curve, 10.0) {
-            assert!((r - 100.0).abs() < 1e-6, "{r}");
-        }
     }
 }

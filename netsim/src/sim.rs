@@ -277,6 +277,8 @@ pub struct Sim {
     tokens: u64,
     loss_curve: Vec<(f64, u64, f64)>,
     tokens_curve: Vec<(f64, u64)>,
+    /// Device-seconds of work given to the peers serving each stage.
+    stage_busy: Vec<f64>,
     bytes: BTreeMap<Traffic, u64>,
     /// Bytes of gossip through the mesh (see [`mesh`]).
     gossip_bytes: u64,
@@ -371,6 +373,7 @@ impl Sim {
             tokens: 0,
             loss_curve: Vec::new(),
             tokens_curve: vec![(0.0, 0)],
+            stage_busy: vec![0.0; setup.config.stages as usize],
             bytes: BTreeMap::new(),
             gossip_bytes: 0,
             boundary_codecs: BTreeMap::new(),
@@ -970,6 +973,9 @@ impl Sim {
                     p.busy_until = start + took.as_secs_f64();
                     p.busy_total += took.as_secs_f64();
                     let at = ns(p.busy_until);
+                    if let Some(busy) = stage.and_then(|s| self.stage_busy.get_mut(s as usize)) {
+                        *busy += took.as_secs_f64();
+                    }
                     self.schedule(at, Ev::Computed { peer: i, done });
                 }
                 Action::Event(e) => self.on_event(i, e),

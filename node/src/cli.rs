@@ -42,6 +42,21 @@ pub enum Command {
     Netsim(NetsimArgs),
     /// List the compute backends and adapters of this machine.
     Devices(DevicesArgs),
+    /// Draw the curves of train, run or netsim reports (several of one kind: overlaid).
+    Plot(PlotArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct PlotArgs {
+    /// JSON reports of `shoal train`, `shoal run` or `shoal netsim` (all of one kind).
+    #[arg(required = true)]
+    pub reports: Vec<PathBuf>,
+    /// The image to write: FILE.svg or FILE.png.
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// The figure's title (default: the reports' names).
+    #[arg(long)]
+    pub title: Option<String>,
 }
 
 /// Where a stage's compute runs.

@@ -13,6 +13,7 @@ mod devices;
 mod http;
 mod netsim;
 mod node;
+mod plot;
 mod report;
 mod run;
 mod train;
@@ -72,6 +73,7 @@ fn main() -> ExitCode {
         cli::Command::Bench(cli::BenchCommand::Average(a)) => bench_average::average(a),
         cli::Command::Netsim(a) => netsim::run(a),
         cli::Command::Devices(a) => devices::run(a),
+        cli::Command::Plot(a) => plot::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -50,9 +50,9 @@ pub fn run(args: NetsimArgs) -> anyhow::Result<()> {
         println!("report: {}", path.display());
     }
     if let Some(path) = &args.plot {
-        let svg = report.svg(&format!("netsim {name}, seed {}", args.seed));
-        shoal_compute::write_atomic(path, svg.as_bytes())
-            .with_context(|| format!("cannot write {}", path.display()))?;
+        let title = format!("netsim {name}, seed {}", args.seed);
+        let value = serde_json::to_value(&report)?;
+        crate::plot::write(&title, &[(format!("seed {}", args.seed), value)], path)?;
         println!("plot: {}", path.display());
     }
     Ok(())

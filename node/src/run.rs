@@ -201,6 +201,8 @@ struct Tally {
     /// Boundary messages handed to the transport, by the codec chosen for their hop.
     boundary_codecs: BTreeMap<String, u64>,
     loss_curve: Vec<(u64, f64)>,
+    /// `[seconds, tokens committed]` after each step.
+    tokens_curve: Vec<(f64, u64)>,
     committed: Vec<(u32, u64)>,
     stage_history: Vec<u32>,
     step_samples: Vec<f64>,
@@ -692,6 +694,15 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                     }
                     if let Some(d) = &mut dashboard {
                         d.on_event(&e, &ids);
+                    }
+                    if matches!(e, Event::Stepped { .. }) {
+                        let c = peer.config();
+                        let tokens = peer.stats().microbatches_done
+                            * u64::from(c.microbatch)
+                            * u64::from(c.seq);
+                        tally
+                            .tokens_curve
+                            .push((start.elapsed().as_secs_f64(), tokens));
                     }
                     on_event(e, &peer, &ids, &mut tally);
                 }

@@ -47,6 +47,8 @@ pub struct TrainReport {
     pub tokens_per_s: f64,
     pub seconds: f64,
     pub loss_curve: Vec<(usize, f64)>,
+    /// `[seconds, tokens]` after each step.
+    pub tokens_curve: Vec<(f64, u64)>,
     /// The most device memory each stage held (bytes; with replicas, replica 0's stages),
     /// and by kind at that moment.
     pub device_memory_peak_bytes: Vec<u64>,
@@ -243,6 +245,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     );
     let start = Instant::now();
     let mut loss_curve = Vec::with_capacity(args.steps);
+    let mut tokens_curve = vec![(0.0, 0)];
     let mut tokens = 0u64;
     for step in 0..args.steps {
         let loss = trainer.step(args.batch)?;
@@ -252,6 +255,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         tokens += (args.batch * seq) as u64;
         loss_curve.push((step + 1, loss as f64));
+        tokens_curve.push((start.elapsed().as_secs_f64(), tokens));
         let rate = tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
         bar.set_message(format!("loss {loss:.4}  {rate:.0} tok/s"));
         bar.inc(1);
@@ -375,6 +379,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             tokens_per_s,
             seconds,
             loss_curve,
+            tokens_curve,
             device_memory_peak_bytes: memory.iter().map(MemoryUse::total).collect(),
             device_memory_peak: memory,
             memory_limit_bytes: args.memory_limit,

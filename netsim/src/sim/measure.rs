@@ -250,6 +250,7 @@ impl Sim {
             final_loss,
             loss_curve: self.loss_curve,
             tokens_curve: self.tokens_curve,
+            stage_busy_seconds: self.stage_busy,
             bytes: Traffic::ALL
                 .iter()
                 .map(|t| {

@@ -48,6 +48,8 @@ pub(super) struct RunReport {
     /// Mean loss of the last steps this peer saw as the last stage.
     pub(super) final_loss: Option<f64>,
     pub(super) loss_curve: Vec<(u64, f64)>,
+    /// `[seconds, tokens]` after each step: the tokens this stage had committed by then.
+    pub(super) tokens_curve: Vec<(f64, u64)>,
     /// `[stage, sample]` of every microbatch (by its first sample) whose gradient this peer
     /// applied: over all replicas of a stage, no sample may appear twice.
     pub(super) committed_samples: Vec<(u32, u64)>,
@@ -135,6 +137,7 @@ impl RunReport {
             banned: tally.banned.clone(),
             final_loss: tally.final_loss(),
             loss_curve: tally.loss_curve.clone(),
+            tokens_curve: tally.tokens_curve.clone(),
             committed_samples: tally.committed.clone(),
             tokens,
             tokens_per_s: tokens as f64 / seconds.max(1e-9),
