@@ -1013,6 +1013,18 @@ impl<B: Backend> Stage<B> {
         }
     }
 
+    /// The next-token probabilities `(batch, seq, vocab)` the last stage computed in the
+    /// forward pass of microbatch `id` (while it is still in flight: before its backward pass
+    /// or [`Stage::discard`]); `None` elsewhere. What sampling reads.
+    pub fn probabilities(&self, id: MicrobatchId) -> Result<Option<Vec<f32>>, StageError> {
+        let Some(probs) = self.in_flight.get(&id).and_then(|s| s.probs.as_ref()) else {
+            return Ok(None);
+        };
+        let mut host = vec![0.0; self.backend.len(probs)];
+        self.backend.download(probs, &mut host)?;
+        Ok(Some(host))
+    }
+
     /// Forgets microbatch `id` without a backward pass (it will never complete). Returns
     /// whether it was in flight.
     pub fn discard(&mut self, id: MicrobatchId) -> bool {

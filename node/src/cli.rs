@@ -44,6 +44,47 @@ pub enum Command {
     Devices(DevicesArgs),
     /// Draw the curves of train, run or netsim reports (several of one kind: overlaid).
     Plot(PlotArgs),
+    /// Assemble a run's stage checkpoints into one GPT-2 model (safetensors, Hugging Face
+    /// names and layout, config.json beside it).
+    Export(ExportArgs),
+    /// Sample text from a model file (safetensors, as `shoal export` or `train --export`
+    /// write, or Hugging Face's GPT-2 layout).
+    Generate(GenerateArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// Checkpoint directories of the run's peers (`--checkpoint-dir`), together covering
+    /// every stage; of several for one stage, the one at the latest step is taken.
+    #[arg(required = true)]
+    pub checkpoints: Vec<PathBuf>,
+    /// The model file to write (safetensors); config.json is written beside it.
+    #[arg(short, long)]
+    pub output: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// The model file (safetensors).
+    pub model: PathBuf,
+    /// Text to continue (a byte-vocabulary model), or token ids separated by spaces.
+    #[arg(long)]
+    pub prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value = "200")]
+    pub tokens: usize,
+    /// Sampling temperature; 0 always takes the most likely token.
+    #[arg(long, default_value = "0.8")]
+    pub temperature: f32,
+    /// Seed of the sampling.
+    #[arg(long, default_value = "1")]
+    pub seed: u64,
+    /// Also write the next-token probabilities at every position of the prompt here (JSON:
+    /// one row of the vocabulary's size per position).
+    #[arg(long)]
+    pub probabilities: Option<PathBuf>,
+    #[command(flatten)]
+    pub device: DeviceArgs,
 }
 
 #[derive(Debug, Args)]
@@ -523,6 +564,15 @@ pub struct TrainArgs {
     /// Write a JSON report here.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Start from this model file (safetensors, as `--export` and `shoal export` write, or
+    /// Hugging Face's GPT-2 layout) instead of the seed's initialisation; its shape must be
+    /// the preset's.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// Write the trained model here (safetensors with Hugging Face GPT-2 names and layout,
+    /// config.json beside it).
+    #[arg(long)]
+    pub export: Option<PathBuf>,
 }
 
 /// `--coupling` values.

@@ -11,6 +11,8 @@ mod cli;
 mod config_file;
 mod devices;
 mod http;
+mod model_file;
+mod models;
 mod netsim;
 mod node;
 mod plot;
@@ -74,6 +76,8 @@ fn main() -> ExitCode {
         cli::Command::Netsim(a) => netsim::run(a),
         cli::Command::Devices(a) => devices::run(a),
         cli::Command::Plot(a) => plot::run(a),
+        cli::Command::Export(a) => models::export(a),
+        cli::Command::Generate(a) => models::generate(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

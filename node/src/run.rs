@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-mod checkpoint;
+pub(crate) mod checkpoint;
 mod compute;
 mod dashboard;
 mod progress;

@@ -172,6 +172,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         ]
         .iter()
         .any(|c| *c != Codec::Fp32);
+    let init = args
+        .init
+        .as_deref()
+        .map(crate::model_file::ModelFile::open)
+        .transpose()?;
     let pipeline = || -> anyhow::Result<LocalPipeline<AnyBackend>> {
         let mut p = LocalPipeline::with_memory_limit(
             backend.clone(),
@@ -183,6 +188,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             args.memory_limit,
         )?;
         p.set_recompute(args.recompute)?;
+        if let (Some(file), Some(path)) = (&init, &args.init) {
+            for stage in p.stages_mut() {
+                file.load_into(stage)
+                    .with_context(|| format!("--init {}", path.display()))?;
+            }
+        }
         Ok(p)
     };
     if args.replicas > args.batch {
@@ -282,6 +293,14 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         .iter()
         .map(|s| s.offload_traffic())
         .collect();
+    if let Some(path) = &args.export {
+        let mut tensors = Vec::new();
+        for stage in trainer.pipeline().stages() {
+            tensors.extend(crate::model_file::stage_tensors(stage)?);
+        }
+        crate::model_file::write(path, &config, &tensors)?;
+        println!("model: {} (config.json beside it)", path.display());
+    }
     let held_out_loss = {
         // Batches no larger than the training's microbatches (what a memory limit was set
         // for), a power of two so they divide the held-out samples.

@@ -581,6 +581,33 @@ fn sigterm_writes_the_checkpoint_and_the_report_and_a_restart_resumes() {
     again.terminate();
     assert!(again.wait_exit(Duration::from_secs(60)).success());
     assert_eq!(again.report()["resumed_from_step"].as_u64(), Some(steps));
+
+    // The peer's checkpoint is a model others can read: `shoal export` writes it as GPT-2
+    // safetensors (tests/tests/models.rs checks the format itself), and it generates.
+    let model = dir.join("model.safetensors");
+    let ckpt = dir.join("p0-ckpt");
+    let export = std::process::Command::new(shoal_tests::shoal_binary())
+        .arg("export")
+        .arg(&ckpt)
+        .arg("-o")
+        .arg(&model)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&export.stdout);
+    assert!(
+        export.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&export.stderr)
+    );
+    assert!(said.contains("stage 0 at step"), "{said}");
+    let generate = std::process::Command::new(shoal_tests::shoal_binary())
+        .arg("generate")
+        .arg(&model)
+        .args(["--prompt", "ab", "--tokens", "8"])
+        .output()
+        .unwrap();
+    assert!(generate.status.success(), "{generate:?}");
+    assert!(String::from_utf8_lossy(&generate.stdout).starts_with("ab"));
 }
 
 /// A joiner pulls a stage's state (`mini` in one stage: about 400 MB with its AdamW moments)

@@ -10,7 +10,7 @@ use std::path::Path;
 
 /// What a checkpoint file holds.
 #[derive(Debug, Serialize, Deserialize)]
-pub(super) struct Checkpoint {
+pub(crate) struct Checkpoint {
     pub config: RunConfig,
     pub stage: u32,
     pub step: u64,
@@ -21,7 +21,7 @@ pub(super) struct Checkpoint {
 
 const CHECKPOINT_FILE: &str = "stage.ckpt";
 
-pub(super) fn load_checkpoint(dir: &Path) -> anyhow::Result<Option<Checkpoint>> {
+pub(crate) fn load_checkpoint(dir: &Path) -> anyhow::Result<Option<Checkpoint>> {
     let path = dir.join(CHECKPOINT_FILE);
     let bytes = match std::fs::read(&path) {
         Ok(b) => b,

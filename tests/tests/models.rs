@@ -1,0 +1,126 @@
+//! Models out of shoal and back in: `shoal train --export` writes a GPT-2 safetensors file
+//! that a NumPy forward pass written apart from shoal (`tests/python/gpt2_numpy.py`, reading
+//! it with the `safetensors` package) computes the same next-token probabilities from (within
+//! 1e-4) and continues the same way greedily; `--init` starts training from the file where
+//! the first run ended; `shoal export` assembles a swarm peer's checkpoint.
+//!
+//! Needs python3 with numpy and safetensors: the README's test command installs them into
+//! `target/python`.
+
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use serde_json::Value;
+use shoal_tests::{shoal_binary, temp_dir};
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn shoal(args: &[&str]) -> Output {
+    let out = Command::new(shoal_binary()).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "shoal {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn report(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn an_exported_model_is_gpt2_to_numpy_and_training_resumes_from_it() {
+    let dir = temp_dir("models");
+    let model = dir.join("model.safetensors");
+    let (first, second) = (dir.join("first.json"), dir.join("second.json"));
+    let common = [
+        "--preset",
+        "nano",
+        "--stages",
+        "2",
+        "--batch",
+        "8",
+        "--seq",
+        "64",
+        "--threads",
+        "1",
+    ];
+    let mut args = common.to_vec();
+    let model_s = model.to_str().unwrap();
+    args.extend([
+        "--steps",
+        "60",
+        "--export",
+        model_s,
+        "--report",
+        first.to_str().unwrap(),
+    ]);
+    args.insert(0, "train");
+    shoal(&args);
+    assert!(dir.join("config.json").exists());
+
+    let probs = dir.join("probs.json");
+    let prompt = "The cat sat on the mat.";
+    let generated = shoal(&[
+        "generate",
+        model_s,
+        "--prompt",
+        prompt,
+        "--tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--probabilities",
+        probs.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&generated.stdout)
+        .trim_end()
+        .to_owned();
+    assert!(
+        text.starts_with(prompt) && text.len() > prompt.len(),
+        "{text}"
+    );
+
+    let python_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/python");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/gpt2_numpy.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .args([model_s, prompt, probs.to_str().unwrap(), "12"])
+        .env("PYTHONPATH", &python_path)
+        .output()
+        .expect("python3 (the README's test command installs numpy and safetensors)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{stdout}");
+    let greedy: String = stdout
+        .lines()
+        .find_map(|l| serde_json::from_str(l.strip_prefix("greedy: ")?).ok())
+        .unwrap();
+    assert_eq!(greedy, text, "NumPy's greedy continuation is shoal's");
+
+    // Training from the file starts where the first run ended, not from scratch.
+    let mut args = common.to_vec();
+    args.extend([
+        "--steps",
+        "5",
+        "--init",
+        model_s,
+        "--report",
+        second.to_str().unwrap(),
+    ]);
+    args.insert(0, "train");
+    shoal(&args);
+    let (a, b) = (report(&first), report(&second));
+    let start = a["loss_curve"][0][1].as_f64().unwrap();
+    let end = a["final_loss"].as_f64().unwrap();
+    let resumed = b["loss_curve"][0][1].as_f64().unwrap();
+    assert!(
+        (resumed - end).abs() < 0.25 * (start - end),
+        "first run {start:.3} to {end:.3}; from its file: {resumed:.3}"
+    );
+}
