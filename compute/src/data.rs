@@ -13,6 +13,75 @@ use thiserror::Error;
 
 /// Token ids of the byte-level tokenizer: one token per byte.
 pub const BYTE_VOCAB: usize = 256;
+/// Token ids of GPT-2's BPE (r50k_base), the end-of-text token the last.
+pub const GPT2_VOCAB: usize = 50257;
+
+/// llm.c's token shard: a header of 256 little-endian i32 (magic, version, token count, ...)
+/// then the tokens as little-endian u16. shoal also writes the vocabulary's size in the
+/// fourth field (0, as llm.c leaves it, means GPT-2's), so byte shards say they are.
+pub const SHARD_MAGIC: i32 = 20240520;
+const SHARD_HEADER: usize = 256 * 4;
+
+/// Writes `tokens` (ids below `vocab` <= 65536) as an llm.c token shard.
+pub fn write_shard(path: &Path, tokens: &[u32], vocab: usize) -> std::io::Result<()> {
+    let mut header = [0i32; 256];
+    header[0] = SHARD_MAGIC;
+    header[1] = 1;
+    header[2] = i32::try_from(tokens.len()).map_err(std::io::Error::other)?;
+    header[3] = if vocab == GPT2_VOCAB { 0 } else { vocab as i32 };
+    let mut bytes = Vec::with_capacity(SHARD_HEADER + 2 * tokens.len());
+    bytes.extend(header.iter().flat_map(|h| h.to_le_bytes()));
+    for &t in tokens {
+        let t = u16::try_from(t).map_err(std::io::Error::other)?;
+        bytes.extend(t.to_le_bytes());
+    }
+    crate::write_atomic(path, &bytes)
+}
+
+/// The tokens and vocabulary of an llm.c shard, if `bytes` is one.
+fn read_shard(path: &Path, bytes: &[u8]) -> Option<Result<(Vec<u32>, usize), DataError>> {
+    let field = |i: usize| {
+        i32::from_le_bytes([
+            bytes[4 * i],
+            bytes[4 * i + 1],
+            bytes[4 * i + 2],
+            bytes[4 * i + 3],
+        ])
+    };
+    if bytes.len() < SHARD_HEADER || field(0) != SHARD_MAGIC {
+        return None;
+    }
+    let bad = |why: String| {
+        Some(Err(DataError::BadShard {
+            path: path.to_owned(),
+            why,
+        }))
+    };
+    if field(1) != 1 {
+        return bad(format!("version {} (1 is read)", field(1)));
+    }
+    let count = field(2);
+    let body = &bytes[SHARD_HEADER..];
+    if count < 0 || body.len() != 2 * count as usize {
+        return bad(format!(
+            "the header says {count} tokens, the file holds {} bytes of them",
+            body.len()
+        ));
+    }
+    let vocab = match field(3) {
+        0 => GPT2_VOCAB,
+        v if (1..=65536).contains(&v) => v as usize,
+        v => return bad(format!("a vocabulary of {v}")),
+    };
+    let tokens: Vec<u32> = body
+        .chunks_exact(2)
+        .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))
+        .collect();
+    if let Some(t) = tokens.iter().find(|t| **t as usize >= vocab) {
+        return bad(format!("token {t} outside its vocabulary of {vocab}"));
+    }
+    Some(Ok((tokens, vocab)))
+}
 
 /// Encodes text as byte tokens.
 pub fn encode(text: &str) -> Vec<u32> {
@@ -57,9 +126,17 @@ pub enum DataError {
         /// Bytes one sample needs.
         needed: usize,
     },
+    /// A token shard that cannot be read.
+    #[error("token shard {path}: {why}")]
+    BadShard {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
     /// An impossible shard.
     #[error("shard {index} of {count} does not exist")]
-    BadShard {
+    NoSuchShard {
         /// Requested shard index.
         index: u64,
         /// Requested shard count.
@@ -213,20 +290,30 @@ impl MarkovSource {
     }
 }
 
-/// A text file as byte tokens, cut into windows that are visited in a seeded order.
+/// A data file's tokens (a UTF-8 text file as byte tokens, or an llm.c token shard), cut into
+/// windows that are visited in a seeded order.
 #[derive(Clone, Debug)]
 pub struct TextCorpus {
     path: PathBuf,
     tokens: Vec<u32>,
+    vocab: usize,
 }
 
 impl TextCorpus {
-    /// Reads a UTF-8 text file.
+    /// Reads a token shard (`shoal data prepare`, llm.c) or a UTF-8 text file.
     pub fn open(path: &Path) -> Result<Self, DataError> {
         let bytes = std::fs::read(path).map_err(|source| DataError::Unreadable {
             path: path.to_owned(),
             source,
         })?;
+        if let Some(shard) = read_shard(path, &bytes) {
+            let (tokens, vocab) = shard?;
+            return Ok(TextCorpus {
+                path: path.to_owned(),
+                tokens,
+                vocab,
+            });
+        }
         if let Err(e) = std::str::from_utf8(&bytes) {
             return Err(DataError::NotText {
                 path: path.to_owned(),
@@ -236,6 +323,7 @@ impl TextCorpus {
         Ok(TextCorpus {
             path: path.to_owned(),
             tokens: bytes.iter().map(|&b| b as u32).collect(),
+            vocab: BYTE_VOCAB,
         })
     }
 
@@ -244,7 +332,19 @@ impl TextCorpus {
         TextCorpus {
             path: PathBuf::from(name),
             tokens: encode(text),
+            vocab: BYTE_VOCAB,
         }
+    }
+
+    /// The size of the vocabulary its tokens are ids of.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// `len` tokens from `start` (fewer at the end).
+    pub fn window(&self, start: usize, len: usize) -> &[u32] {
+        let start = start.min(self.tokens.len());
+        &self.tokens[start..(start + len).min(self.tokens.len())]
     }
 
     /// Tokens in the corpus.
@@ -277,7 +377,23 @@ impl Corpus {
     pub fn describe(&self) -> String {
         match self {
             Corpus::Synthetic(_) => "synthetic (order-2 Markov source)".into(),
-            Corpus::Text(t) => format!("{} ({} bytes)", t.path.display(), t.tokens.len()),
+            Corpus::Text(t) if t.vocab == BYTE_VOCAB => {
+                format!("{} ({} bytes)", t.path.display(), t.tokens.len())
+            }
+            Corpus::Text(t) => format!(
+                "{} ({} tokens of a vocabulary of {})",
+                t.path.display(),
+                t.tokens.len(),
+                t.vocab
+            ),
+        }
+    }
+
+    /// The size of the vocabulary its tokens are ids of: a model trained on it has this one.
+    pub fn vocab(&self) -> usize {
+        match self {
+            Corpus::Synthetic(_) => BYTE_VOCAB,
+            Corpus::Text(t) => t.vocab,
         }
     }
 
@@ -353,7 +469,7 @@ impl Shard {
     /// Shard `index` of `count`.
     pub fn new(index: u64, count: u64) -> Result<Self, DataError> {
         if count == 0 || index >= count {
-            return Err(DataError::BadShard { index, count });
+            return Err(DataError::NoSuchShard { index, count });
         }
         Ok(Shard { index, count })
     }

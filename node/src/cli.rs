@@ -44,12 +44,57 @@ pub enum Command {
     Devices(DevicesArgs),
     /// Draw the curves of train, run or netsim reports (several of one kind: overlaid).
     Plot(PlotArgs),
+    /// Prepare training data.
+    #[command(subcommand)]
+    Data(DataCommand),
+    /// The mean loss of a model file on a data file (text or token shard).
+    Eval(EvalArgs),
     /// Assemble a run's stage checkpoints into one GPT-2 model (safetensors, Hugging Face
     /// names and layout, config.json beside it).
     Export(ExportArgs),
     /// Sample text from a model file (safetensors, as `shoal export` or `train --export`
     /// write, or Hugging Face's GPT-2 layout).
     Generate(GenerateArgs),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DataCommand {
+    /// Tokenize text files into llm.c token shards: PREFIX_train.bin and PREFIX_val.bin
+    /// (--data takes either; a model's vocabulary follows its data's tokenizer).
+    Prepare(DataPrepareArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DataPrepareArgs {
+    /// UTF-8 text files, one document each.
+    #[arg(required = true)]
+    pub inputs: Vec<PathBuf>,
+    /// gpt2 (GPT-2's BPE, 50,257 tokens) or bytes (256).
+    #[arg(long, default_value = "gpt2")]
+    pub tokenizer: crate::tokenizer::Tokenizer,
+    /// Where the shards go: PREFIX_train.bin and PREFIX_val.bin (a trailing .bin is dropped).
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// The fraction of the tokens (the last ones) kept for validation.
+    #[arg(long, default_value = "0.1")]
+    pub val_fraction: f64,
+}
+
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// The model file (safetensors).
+    pub model: PathBuf,
+    /// The data: a UTF-8 text file or a token shard of the model's vocabulary.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Tokens per window (default: the model's context).
+    #[arg(long, value_parser = positive)]
+    pub seq: Option<usize>,
+    /// Windows evaluated at most (from the start of the data, one after another).
+    #[arg(long, default_value = "256", value_parser = positive)]
+    pub windows: usize,
+    #[command(flatten)]
+    pub device: DeviceArgs,
 }
 
 #[derive(Debug, Args)]
@@ -67,7 +112,8 @@ pub struct ExportArgs {
 pub struct GenerateArgs {
     /// The model file (safetensors).
     pub model: PathBuf,
-    /// Text to continue (a byte-vocabulary model), or token ids separated by spaces.
+    /// Text to continue (a model of the byte or GPT-2 vocabulary), or token ids separated by
+    /// spaces.
     #[arg(long)]
     pub prompt: String,
     /// Tokens to generate.
@@ -517,6 +563,14 @@ pub struct TrainArgs {
     /// A UTF-8 text file to train on (default: the built-in synthetic corpus).
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Held-out data to evaluate on (e.g. the `_val.bin` shard of `shoal data prepare`;
+    /// default: samples of --data drawn apart from training's).
+    #[arg(long)]
+    pub val_data: Option<PathBuf>,
+    /// Evaluate on the held-out data every N steps too (0: only at the end); the report's
+    /// `val_curve`.
+    #[arg(long, default_value = "0")]
+    pub eval_every: usize,
     /// Seed of the model initialisation and of the data order.
     #[arg(long, default_value = "1")]
     pub seed: u64,

@@ -18,6 +18,7 @@ mod node;
 mod plot;
 mod report;
 mod run;
+mod tokenizer;
 mod train;
 
 use clap::Parser;
@@ -76,6 +77,8 @@ fn main() -> ExitCode {
         cli::Command::Netsim(a) => netsim::run(a),
         cli::Command::Devices(a) => devices::run(a),
         cli::Command::Plot(a) => plot::run(a),
+        cli::Command::Data(cli::DataCommand::Prepare(a)) => tokenizer::prepare(a),
+        cli::Command::Eval(a) => models::eval(a),
         cli::Command::Export(a) => models::export(a),
         cli::Command::Generate(a) => models::generate(a),
     };

@@ -339,7 +339,10 @@ mod tests {
         // A file of another shape is refused, naming the shapes.
         let mut other = Stage::new(backend, Preset::Micro.config(), StageSpec::WHOLE, 1).unwrap();
         let e = file.load_into(&mut other).unwrap_err().to_string();
-        assert!(e.contains("2 layers of width 64") && e.contains("6 layers"), "{e}");
+        assert!(
+            e.contains("2 layers of width 64") && e.contains("6 layers"),
+            "{e}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

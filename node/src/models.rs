@@ -1,10 +1,11 @@
 //! `shoal export` (a run's stage checkpoints assembled into one GPT-2 safetensors file) and
 //! `shoal generate` (text sampled from such a file).
 
-use crate::cli::{ExportArgs, GenerateArgs};
+use crate::cli::{EvalArgs, ExportArgs, GenerateArgs};
 use crate::model_file::{self, ModelFile};
 use crate::run::checkpoint::load_checkpoint;
 use anyhow::{Context, bail};
+use shoal_compute::data::TextCorpus;
 use shoal_compute::rng::Rng;
 use shoal_compute::stage::{MicrobatchShape, StageInput};
 use shoal_compute::{CpuBackend, Stage, StageSpec};
@@ -83,6 +84,54 @@ pub fn export(args: ExportArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `shoal eval`.
+pub fn eval(args: EvalArgs) -> anyhow::Result<()> {
+    let file = ModelFile::open(&args.model)?;
+    let config = file.config;
+    let data = TextCorpus::open(&args.data)?;
+    if data.vocab() != config.vocab {
+        bail!(
+            "{} holds tokens of a vocabulary of {}, the model's is {}",
+            args.data.display(),
+            data.vocab(),
+            config.vocab
+        );
+    }
+    let seq = args.seq.unwrap_or(config.context).min(config.context);
+    let windows = ((data.len().saturating_sub(1)) / seq).min(args.windows);
+    if windows == 0 {
+        bail!("{} has fewer than {} tokens", args.data.display(), seq + 1);
+    }
+    let backend = Arc::new(args.device.open()?);
+    let mut stage = Stage::new(backend, config, StageSpec::WHOLE, 0).map_err(anyhow::Error::msg)?;
+    file.load_into(&mut stage)?;
+    let mut sum = 0.0;
+    for w in 0..windows {
+        let window = data.window(w * seq, seq + 1);
+        let shape = MicrobatchShape { batch: 1, seq };
+        let id = w as u64;
+        let out = stage
+            .forward(
+                id,
+                shape,
+                StageInput::Tokens(&window[..seq]),
+                Some(&window[1..]),
+            )
+            .map_err(anyhow::Error::msg)?;
+        stage.discard(id);
+        if let shoal_compute::stage::StageOutput::Loss(l) = out {
+            sum += f64::from(l);
+        }
+    }
+    let loss = sum / windows as f64;
+    println!(
+        "loss {loss:.4} (perplexity {:.1}) over {windows} windows of {seq} tokens of {}",
+        loss.exp(),
+        args.data.display()
+    );
+    Ok(())
+}
+
 /// `shoal generate`.
 pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let file = ModelFile::open(&args.model)?;
@@ -90,19 +139,19 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
     let backend = Arc::new(args.device.open()?);
     let mut stage = Stage::new(backend, config, StageSpec::WHOLE, 0).map_err(anyhow::Error::msg)?;
     file.load_into(&mut stage)?;
-    // Byte tokens: a model of the byte vocabulary reads and writes text; others take and give
-    // token ids.
-    let bytes = config.vocab == 256;
-    let mut tokens: Vec<u32> = if bytes {
-        args.prompt.bytes().map(u32::from).collect()
-    } else {
-        args.prompt
+    // A model of a vocabulary shoal has a tokenizer for reads and writes text; others take
+    // and give token ids.
+    let tokenizer = crate::tokenizer::Tokenizer::for_vocab(config.vocab);
+    let mut tokens: Vec<u32> = match tokenizer {
+        Some(t) => t.encode(&args.prompt),
+        None => args
+            .prompt
             .split_whitespace()
             .map(|t| {
                 t.parse::<u32>()
                     .with_context(|| format!("--prompt: {t} is not a token id"))
             })
-            .collect::<anyhow::Result<_>>()?
+            .collect::<anyhow::Result<_>>()?,
     };
     if tokens.is_empty() {
         bail!("--prompt is empty");
@@ -140,13 +189,12 @@ pub fn generate(args: GenerateArgs) -> anyhow::Result<()> {
         let last = &probs[(seq - 1) * vocab..seq * vocab];
         tokens.push(sample(last, args.temperature, &mut rng) as u32);
     }
-    let new = &tokens[prompt_len..];
-    if bytes {
-        let text: Vec<u8> = tokens.iter().map(|t| *t as u8).collect();
-        println!("{}", String::from_utf8_lossy(&text));
-    } else {
-        let ids: Vec<String> = new.iter().map(u32::to_string).collect();
-        println!("{}", ids.join(" "));
+    match tokenizer {
+        Some(t) => println!("{}", t.decode(&tokens)),
+        None => {
+            let ids: Vec<String> = tokens[prompt_len..].iter().map(u32::to_string).collect();
+            println!("{}", ids.join(" "));
+        }
     }
     if let Some(path) = &args.probabilities {
         crate::report::write_json(path, &probabilities)?;

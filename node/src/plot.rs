@@ -165,6 +165,10 @@ fn panels(kind: Kind, reports: &[(String, Value)]) -> Vec<Panel> {
         for (p, line) in out.iter_mut().zip(lines) {
             p.series.push((name.clone(), line));
         }
+        let held_out = pairs(&r["val_curve"], 0, 1);
+        if kind == Kind::Train && !held_out.is_empty() {
+            out[0].series.push((format!("{name} (held-out)"), held_out));
+        }
     }
     out.retain(|p| p.series.iter().any(|(_, l)| !l.is_empty()));
     out

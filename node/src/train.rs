@@ -47,6 +47,8 @@ pub struct TrainReport {
     pub tokens_per_s: f64,
     pub seconds: f64,
     pub loss_curve: Vec<(usize, f64)>,
+    /// `[step, held-out loss]` every `--eval-every` steps and at the end.
+    pub val_curve: Vec<(usize, f64)>,
     /// `[seconds, tokens]` after each step.
     pub tokens_curve: Vec<(f64, u64)>,
     /// The most device memory each stage held (bytes; with replicas, replica 0's stages),
@@ -122,10 +124,6 @@ impl Trainer {
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
-    let config = args.preset.config();
-    let seq = args.seq.unwrap_or(config.context);
-    StageSpec::check_pipeline(&config, args.stages, seq)
-        .with_context(|| format!("--stages {} --seq {seq}", args.stages))?;
     let corpus = match &args.data {
         Some(path) => {
             let text = TextCorpus::open(path)?;
@@ -136,12 +134,42 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         None => Corpus::synthetic(args.seed),
     };
-    let mut held_out = DataLoader::new(
-        corpus.clone(),
-        args.seed.wrapping_add(HELD_OUT_SEED),
-        Shard::ALL,
-        seq,
-    )?;
+    // A model's vocabulary follows its data's tokenizer.
+    let config = shoal_compute::ModelConfig {
+        vocab: corpus.vocab(),
+        ..args.preset.config()
+    };
+    let seq = args.seq.unwrap_or(config.context);
+    StageSpec::check_pipeline(&config, args.stages, seq)
+        .with_context(|| format!("--stages {} --seq {seq}", args.stages))?;
+    corpus.check_seq(seq)?;
+    let held_out_corpus = match &args.val_data {
+        Some(path) => {
+            let val = TextCorpus::open(path)?;
+            if val.vocab() != corpus.vocab() {
+                bail!(
+                    "--val-data {} holds tokens of a vocabulary of {}, --data's is {}",
+                    path.display(),
+                    val.vocab(),
+                    corpus.vocab()
+                );
+            }
+            let val = Corpus::Text(val);
+            val.check_seq(seq)?;
+            val
+        }
+        None => corpus.clone(),
+    };
+    // The same held-out samples each time it is asked.
+    let held_out = || {
+        DataLoader::new(
+            held_out_corpus.clone(),
+            args.seed.wrapping_add(HELD_OUT_SEED),
+            Shard::ALL,
+            seq,
+        )
+    };
+    held_out()?;
     let unigram = match &corpus {
         Corpus::Synthetic(m) => Some(m.unigram_entropy()),
         Corpus::Text(_) => None,
@@ -258,6 +286,21 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let mut loss_curve = Vec::with_capacity(args.steps);
     let mut tokens_curve = vec![(0.0, 0)];
     let mut tokens = 0u64;
+    let mut val_curve = Vec::new();
+    // Batches no larger than the training's microbatches (what a memory limit was set for),
+    // a power of two so they divide the held-out samples.
+    let eval_batch = 1 << microbatch.clamp(1, 32).ilog2();
+    let evaluate = |trainer: &mut Trainer| -> anyhow::Result<f64> {
+        let mut loader = held_out()?;
+        let mut sum = 0.0;
+        for _ in 0..HELD_OUT_SAMPLES / eval_batch {
+            sum += f64::from(trainer.pipeline().evaluate_via(
+                &loader.next_batch(eval_batch),
+                &mut Projection(args.activation_codec),
+            )?);
+        }
+        Ok(sum / (HELD_OUT_SAMPLES / eval_batch) as f64)
+    };
     for step in 0..args.steps {
         let loss = trainer.step(args.batch)?;
         if !loss.is_finite() {
@@ -270,6 +313,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         let rate = tokens as f64 / start.elapsed().as_secs_f64().max(1e-9);
         bar.set_message(format!("loss {loss:.4}  {rate:.0} tok/s"));
         bar.inc(1);
+        if args.eval_every > 0 && (step + 1) % args.eval_every == 0 && step + 1 < args.steps {
+            let v = evaluate(&mut trainer)?;
+            bar.println(format!("step {}: held-out loss {v:.4}", step + 1));
+            val_curve.push((step + 1, v));
+        }
     }
     bar.finish_and_clear();
     let seconds = start.elapsed().as_secs_f64();
@@ -301,19 +349,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         crate::model_file::write(path, &config, &tensors)?;
         println!("model: {} (config.json beside it)", path.display());
     }
-    let held_out_loss = {
-        // Batches no larger than the training's microbatches (what a memory limit was set
-        // for), a power of two so they divide the held-out samples.
-        let eval_batch = 1 << microbatch.clamp(1, 32).ilog2();
-        let mut sum = 0.0;
-        for _ in 0..HELD_OUT_SAMPLES / eval_batch {
-            sum += f64::from(trainer.pipeline().evaluate_via(
-                &held_out.next_batch(eval_batch),
-                &mut Projection(args.activation_codec),
-            )?);
-        }
-        sum / (HELD_OUT_SAMPLES / eval_batch) as f64
-    };
+    let held_out_loss = evaluate(&mut trainer)?;
+    val_curve.push((args.steps, held_out_loss));
 
     println!(
         "done: {} steps, {} tokens in {:.1} s ({:.0} tokens/s)",
@@ -323,7 +360,14 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         "loss: {:.4} at the start, {:.4} at the end (mean of the last {window} steps)",
         loss_curve[0].1, final_loss
     );
-    println!("      held-out loss {held_out_loss:.4} ({HELD_OUT_SAMPLES} unseen samples)");
+    println!(
+        "      held-out loss {held_out_loss:.4} ({HELD_OUT_SAMPLES} {} samples)",
+        if args.val_data.is_some() {
+            "--val-data"
+        } else {
+            "unseen"
+        }
+    );
     if let (Some(floor), Some(unigram)) = (loss_floor, unigram) {
         println!(
             "      the corpus's floor is {floor:.4} (best possible) and its unigram entropy {unigram:.4} \
@@ -399,6 +443,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             seconds,
             loss_curve,
             tokens_curve,
+            val_curve,
             device_memory_peak_bytes: memory.iter().map(MemoryUse::total).collect(),
             device_memory_peak: memory,
             memory_limit_bytes: args.memory_limit,

@@ -124,3 +124,100 @@ fn an_exported_model_is_gpt2_to_numpy_and_training_resumes_from_it() {
         "first run {start:.3} to {end:.3}; from its file: {resumed:.3}"
     );
 }
+
+/// Real tokens: the shipped text as GPT-2 token shards (llm.c's format), a model whose
+/// vocabulary follows them, evaluated on the validation shard and sampled as text.
+#[test]
+fn gpt2_token_shards_train_a_model_of_gpt2s_vocabulary() {
+    let dir = temp_dir("shards");
+    let text = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/shakespeare.txt");
+    let prefix = dir.join("shk");
+    let prepared = shoal(&[
+        "data",
+        "prepare",
+        text.to_str().unwrap(),
+        "--tokenizer",
+        "gpt2",
+        "-o",
+        prefix.to_str().unwrap(),
+    ]);
+    let said = String::from_utf8_lossy(&prepared.stdout);
+    let (train, val) = (dir.join("shk_train.bin"), dir.join("shk_val.bin"));
+    let bytes = std::fs::read(&train).unwrap();
+    let field = |i: usize| i32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap());
+    assert_eq!(
+        (field(0), field(1)),
+        (20240520, 1),
+        "llm.c's magic and version"
+    );
+    let tokens = field(2) as usize;
+    assert_eq!(bytes.len(), 1024 + 2 * tokens);
+    // GPT-2 BPE: about 3.7 bytes of English per token, far fewer tokens than bytes.
+    let size = std::fs::metadata(&text).unwrap().len() as usize;
+    assert!(tokens * 3 < size, "{tokens} tokens for {size} bytes");
+    assert!(said.contains("(validation)"), "{said}");
+
+    let model = dir.join("model.safetensors");
+    let report = dir.join("train.json");
+    shoal(&[
+        "train",
+        "--preset",
+        "nano",
+        "--steps",
+        "20",
+        "--batch",
+        "8",
+        "--seq",
+        "32",
+        "--threads",
+        "1",
+        "--eval-every",
+        "10",
+        "--data",
+        train.to_str().unwrap(),
+        "--val-data",
+        val.to_str().unwrap(),
+        "--export",
+        model.to_str().unwrap(),
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    let r = self::report(&report);
+    assert!(
+        r["data"].as_str().unwrap().contains("vocabulary of 50257"),
+        "{r}"
+    );
+    assert_eq!(r["val_curve"].as_array().unwrap().len(), 2, "{r}");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["vocab_size"], 50257);
+    // A uniform guess over GPT-2's vocabulary scores ln 50257 = 10.8; training did better.
+    let held_out = r["held_out_loss"].as_f64().unwrap();
+    assert!(held_out < 10.0, "{held_out}");
+
+    let evaluated = shoal(&[
+        "eval",
+        model.to_str().unwrap(),
+        "--data",
+        val.to_str().unwrap(),
+        "--seq",
+        "32",
+    ]);
+    let said = String::from_utf8_lossy(&evaluated.stdout);
+    let loss: f64 = said
+        .strip_prefix("loss ")
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{said}"));
+    assert!(loss < 10.0, "{said}");
+
+    let generated = shoal(&[
+        "generate",
+        model.to_str().unwrap(),
+        "--prompt",
+        "ROMEO:",
+        "--tokens",
+        "10",
+    ]);
+    assert!(String::from_utf8_lossy(&generated.stdout).starts_with("ROMEO:"));
+}
