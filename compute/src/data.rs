@@ -557,6 +557,37 @@ impl DataLoader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_shards_read_back_and_bad_ones_say_why() {
+        let dir = std::env::temp_dir().join(format!("shoal-shard-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("a.bin");
+        let tokens: Vec<u32> = (0..1000).map(|i| (i * 37) % 50257).collect();
+        write_shard(&path, &tokens, GPT2_VOCAB).unwrap();
+        let c = TextCorpus::open(&path).unwrap();
+        assert_eq!((c.vocab(), c.len()), (GPT2_VOCAB, 1000));
+        assert_eq!(c.window(990, 20), &tokens[990..]);
+        write_shard(&path, &[1, 2, 255], BYTE_VOCAB).unwrap();
+        assert_eq!(TextCorpus::open(&path).unwrap().vocab(), BYTE_VOCAB);
+        // Truncated, a token outside the vocabulary, another version: refused, saying which.
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.pop();
+        std::fs::write(&path, &bytes).unwrap();
+        let e = TextCorpus::open(&path).unwrap_err().to_string();
+        assert!(e.contains("the header says 3 tokens"), "{e}");
+        for (t, vocab, why) in [(300u32, BYTE_VOCAB, "token 300 outside")] {
+            write_shard(&path, &[t], vocab).unwrap();
+            let e = TextCorpus::open(&path).unwrap_err().to_string();
+            assert!(e.contains(why), "{e}");
+        }
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[4] = 7;
+        std::fs::write(&path, &bytes).unwrap();
+        let e = TextCorpus::open(&path).unwrap_err().to_string();
+        assert!(e.contains("version 7"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
     use std::collections::HashSet;
 
     #[test]

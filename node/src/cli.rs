@@ -30,7 +30,7 @@ pub enum LogFormat {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Train a model in this process, all stages local.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Start a training run, or join one, as one peer serving one pipeline stage.
     Run(Box<RunArgs>),
     /// Join the network and serve it (bootstrap, relay, discovery) without training.

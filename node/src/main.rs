@@ -66,7 +66,7 @@ fn main() -> ExitCode {
         cli::LogFormat::Json => logs.json().flatten_event(true).init(),
     }
     let result = match args.command {
-        cli::Command::Train(a) => train::run(a),
+        cli::Command::Train(a) => train::run(*a),
         cli::Command::Run(a) => run::run(*a),
         cli::Command::Node(a) => node::run(a),
         cli::Command::Bench(cli::BenchCommand::Compute(a)) => bench::compute(a),

@@ -31,7 +31,7 @@ use tokio::sync::mpsc;
 pub(crate) mod checkpoint;
 mod compute;
 mod dashboard;
-mod progress;
+pub(crate) mod progress;
 mod run_metrics;
 mod run_report;
 
@@ -40,8 +40,13 @@ const MAX_ANSWERED_DIRECTLY: usize = 4096;
 
 use checkpoint::{check_run_config, load_checkpoint};
 use compute::{MemoryTally, Worker, WorkerMsg, spawn_worker};
-use progress::{Progress, Stall};
+use progress::{Progress, Stall, say};
 use run_report::{ReportContext, RunReport};
+
+/// Whether a data file is a token shard (llm.c's magic first).
+fn is_shard(bytes: &[u8]) -> bool {
+    bytes.get(..4) == Some(&shoal_compute::data::SHARD_MAGIC.to_le_bytes()[..])
+}
 
 /// The run's configuration from the command line of the peer that creates it.
 fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
@@ -54,12 +59,21 @@ fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
         Some(path) => {
             let bytes =
                 std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-            DataSource::TextFile {
-                name: path
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default(),
-                hash: xxhash_rust::xxh3::xxh3_64(&bytes),
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let hash = xxhash_rust::xxh3::xxh3_64(&bytes);
+            // Read as training reads it: a shard names its vocabulary, text is bytes.
+            let corpus = TextCorpus::open(path)?;
+            if corpus.vocab() == shoal_compute::data::BYTE_VOCAB && !is_shard(&bytes) {
+                DataSource::TextFile { name, hash }
+            } else {
+                DataSource::TokenShard {
+                    name,
+                    hash,
+                    vocab: corpus.vocab() as u32,
+                }
             }
         }
     };
@@ -153,7 +167,7 @@ async fn learn_config(
                     );
                 }
                 if waited >= Duration::from_secs(2) {
-                    println!(
+                    say!(
                         "joining run {run}: no answer after {:.0} s of {:.0} ({}); asking again",
                         waited.as_secs_f64(),
                         timeout.as_secs_f64(),
@@ -280,7 +294,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         Some(c) => c,
         None => {
             let boot = bootstrap_peers(&args.bootstrap);
-            println!("joining run {run_id} through {} peer(s)", boot.len());
+            say!("joining run {run_id} through {} peer(s)", boot.len());
             let timeout = Duration::from_secs_f32(args.join_timeout);
             learn_config(&handle, run_id, &boot, &mut frames, timeout).await?
         }
@@ -302,19 +316,21 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let announce_every = timing.announce_every;
     let corpus = match &config.data {
         DataSource::Synthetic => Some(Corpus::synthetic(config.seed)),
-        DataSource::TextFile { name, hash } => match &args.data {
-            Some(path) => {
-                let bytes = std::fs::read(path)
-                    .with_context(|| format!("cannot read {}", path.display()))?;
-                if xxhash_rust::xxh3::xxh3_64(&bytes) != *hash {
-                    bail!("{} is not the run's data file {name}", path.display());
+        DataSource::TextFile { name, hash } | DataSource::TokenShard { name, hash, .. } => {
+            match &args.data {
+                Some(path) => {
+                    let bytes = std::fs::read(path)
+                        .with_context(|| format!("cannot read {}", path.display()))?;
+                    if xxhash_rust::xxh3::xxh3_64(&bytes) != *hash {
+                        bail!("{} is not the run's data file {name}", path.display());
+                    }
+                    Some(Corpus::Text(TextCorpus::open(path)?))
                 }
-                Some(Corpus::Text(TextCorpus::open(path)?))
+                // Without the file this peer serves later stages only... but stage choice is the
+                // protocol's; refuse clearly rather than fail on the first microbatch.
+                None => bail!("this run trains on {name}: pass the same file with --data"),
             }
-            // Without the file this peer serves later stages only... but stage choice is the
-            // protocol's; refuse clearly rather than fail on the first microbatch.
-            None => bail!("this run trains on {name}: pass the same file with --data"),
-        },
+        }
     };
     if let Some(c) = &corpus {
         c.check_seq(config.seq as usize)?;
@@ -332,7 +348,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let offloads = args.memory_limit.is_some()
         || (!backend.is_cpu() && device_memory.is_some() && hosts_any_stage);
     match device_memory {
-        Some(bytes) => println!(
+        Some(bytes) => say!(
             "compute: {backend_name}, {}{}",
             report::size(bytes),
             if offloads {
@@ -341,7 +357,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                 ""
             }
         ),
-        None => println!(
+        None => say!(
             "compute: {backend_name}, memory unknown (--device-memory states it; until then \
              this peer may be given a stage its device cannot hold)"
         ),
@@ -377,7 +393,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             round: c.round,
             hash,
         });
-        println!(
+        say!(
             "resuming stage {} at step {} from {}",
             c.stage,
             c.step,
@@ -425,7 +441,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             .as_ref()
             .map(|_| args.checkpoint_every as u64),
     );
-    println!(
+    say!(
         "shoal run {run_id}: {} in {} stages, {} sync, global batch {}, microbatch {}, {} steps; peer {}",
         config.preset,
         config.stages,
@@ -528,23 +544,23 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                 NodeEvent::Listening(addr) if is_dialable(&addr) && listening.insert(addr.clone()) => {
                     let relayed = addr.iter().any(|p| matches!(p, Protocol::P2pCircuit));
                     if relayed {
-                        println!("listening through a relay on {addr}");
+                        say!("listening through a relay on {addr}");
                     } else {
-                        println!("listening on {addr}");
+                        say!("listening on {addr}");
                     }
                     // Behind a NAT, the relayed address is the one others can dial.
                     if args.run.is_none() && (!printed_join || relayed) {
                         printed_join = true;
-                        println!("others join with:\n  shoal run --run {run_id} --bootstrap {addr}");
+                        say!("others join with:\n  shoal run --run {run_id} --bootstrap {addr}");
                     }
                 }
-                NodeEvent::Reachability(Some(addr)) => println!("reachable from outside at {addr}"),
+                NodeEvent::Reachability(Some(addr)) => say!("reachable from outside at {addr}"),
                 NodeEvent::Reachability(None) => {
-                    println!("behind a NAT or firewall: listening through relays");
+                    say!("behind a NAT or firewall: listening through relays");
                 }
-                NodeEvent::HolePunched(p) => println!("hole punched: direct connection to {p}"),
+                NodeEvent::HolePunched(p) => say!("hole punched: direct connection to {p}"),
                 NodeEvent::HolePunchFailed(p, why) => {
-                    println!("hole punching to {p} failed ({why}): relayed connection");
+                    say!("hole punching to {p} failed ({why}): relayed connection");
                 }
                 NodeEvent::Gossip { from, via, data } => {
                     // The network checked that it is an announcement of this run.
@@ -730,7 +746,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
             .is_ok()
         {
             match tokio::task::spawn_blocking(move || rx.recv()).await {
-                Ok(Ok(Ok(()))) => println!("checkpoint written at step {}", peer.step()),
+                Ok(Ok(Ok(()))) => say!("checkpoint written at step {}", peer.step()),
                 Ok(Ok(Err(e))) => eprintln!("error: checkpoint: {e:#}"),
                 _ => eprintln!("error: checkpoint: the compute thread stopped"),
             }
@@ -738,7 +754,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     }
     let stats = peer.stats();
     let tokens = stats.microbatches_done * config.microbatch as u64 * config.seq as u64;
-    println!(
+    say!(
         "{}: stage {} at step {}, {} microbatches ({} retried, {} dropped), {:.0} tokens/s{}",
         match &ending {
             Ending::Done => "done".to_string(),
@@ -843,9 +859,9 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
             tally.stage_history.push(stage);
             match from {
                 Some(from) => {
-                    println!("serving stage {stage} from step {step} (state from {from})")
+                    say!("serving stage {stage} from step {step} (state from {from})")
                 }
-                None => println!("serving stage {stage} from step {step}"),
+                None => say!("serving stage {stage} from step {step}"),
             }
         }
         Event::Stepped {
@@ -883,22 +899,22 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
             bytes,
             took,
             senders,
-        } => println!(
+        } => say!(
             "received stage {stage}'s state: {:.1} MB in {:.1} s from {senders} replica(s) ({:.1} MB/s)",
             bytes as f64 / 1e6,
             took.as_secs_f64(),
             bytes as f64 / 1e6 / took.as_secs_f64().max(1e-3)
         ),
-        Event::Resync { from, reason } => println!("re-syncing from {from}: {reason}"),
-        Event::StateRefused { from } => println!(
+        Event::Resync { from, reason } => say!("re-syncing from {from}: {reason}"),
+        Event::StateRefused { from } => say!(
             "refused the state from {from}: its parameters differ from its stage's; asking another replica"
         ),
-        Event::Moving { from, to } => println!("moving from stage {from} to stage {to}"),
+        Event::Moving { from, to } => say!("moving from stage {from} to stage {to}"),
         Event::Dropped { microbatch } => tracing::info!("microbatch {microbatch} dropped"),
         Event::Finished => {
             if tally.finished_at.is_none() {
                 tally.finished_at = Some(Instant::now());
-                println!("the run reached step {}", peer.step());
+                say!("the run reached step {}", peer.step());
             }
         }
         Event::Warning(w) => tracing::warn!("{w}"),

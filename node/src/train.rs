@@ -315,7 +315,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         bar.inc(1);
         if args.eval_every > 0 && (step + 1) % args.eval_every == 0 && step + 1 < args.steps {
             let v = evaluate(&mut trainer)?;
-            bar.println(format!("step {}: held-out loss {v:.4}", step + 1));
+            // Printed whether or not the bar is drawn (it is not, off a terminal).
+            bar.suspend(|| println!("step {}: held-out loss {v:.4}", step + 1));
             val_curve.push((step + 1, v));
         }
     }

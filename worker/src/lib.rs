@@ -21,7 +21,13 @@ pub fn model_of(config: &RunConfig) -> Result<ModelConfig, String> {
         .preset
         .parse()
         .map_err(|e| format!("the run uses an unknown preset: {e}"))?;
-    Ok(preset.config())
+    let model = preset.config();
+    match config.data.vocab() {
+        // A model's vocabulary follows its data's tokenizer.
+        Some(vocab) if (1..=65536).contains(&vocab) => Ok(ModelConfig { vocab, ..model }),
+        Some(vocab) => Err(format!("the run's data has a vocabulary of {vocab}")),
+        None => Ok(model),
+    }
 }
 
 fn specs(config: &RunConfig) -> Vec<StageSpec> {

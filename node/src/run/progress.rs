@@ -1,6 +1,7 @@
 //! What a running peer shows of its progress, and when it gives up for want of any.
 
 use anyhow::Context;
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use shoal_protocol::swarm::Peer;
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
@@ -50,41 +51,97 @@ impl Stall {
     }
 }
 
+/// The status line and the state download's bar while a peer runs on a terminal (drawn by
+/// `indicatif`, on stdout); what else the peer prints goes above them through [`say_line`].
+static BARS: std::sync::Mutex<Option<MultiProgress>> = std::sync::Mutex::new(None);
+
+/// Prints a line: above the status bars where they are drawn, as a plain line otherwise.
+pub(crate) fn say_line(line: String) {
+    let bars = BARS.lock().unwrap_or_else(|e| e.into_inner());
+    match bars.as_ref() {
+        Some(bars) => {
+            let _ = bars.println(line);
+        }
+        None => println!("{line}"),
+    }
+}
+
+/// `println!` for a running peer: see [`say_line`].
+macro_rules! say {
+    ($($arg:tt)*) => {
+        $crate::run::progress::say_line(format!($($arg)*))
+    };
+}
+pub(crate) use say;
+
 /// The progress line: a status line on a terminal, a plain line every few seconds otherwise.
 pub(super) struct Progress {
-    tty: bool,
+    /// The status line, on a terminal.
+    status: Option<ProgressBar>,
+    /// The state download under way, on a terminal.
+    download: Option<ProgressBar>,
     last: Instant,
     last_done: u64,
-    /// Tenths of the state download in progress already shown.
+    /// Tenths of the state download in progress already shown (not on a terminal).
     download_shown: Option<u64>,
 }
 
 impl Progress {
     pub(super) fn new() -> Self {
+        let status = std::io::stdout().is_terminal().then(|| {
+            let bars = MultiProgress::with_draw_target(ProgressDrawTarget::stdout());
+            let status = bars.add(ProgressBar::new_spinner());
+            status.set_style(
+                ProgressStyle::with_template("{spinner} {msg}")
+                    .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+            );
+            *BARS.lock().unwrap_or_else(|e| e.into_inner()) = Some(bars);
+            status
+        });
         Progress {
-            tty: std::io::stdout().is_terminal(),
+            status,
+            download: None,
             last: Instant::now(),
             last_done: 0,
             download_shown: None,
         }
     }
 
-    /// A line at every tenth of a state download (a large stage takes a while on a home
-    /// link).
+    /// The state download's progress: a bar on a terminal, a line at every tenth otherwise (a
+    /// large stage takes a while on a home link).
     pub(super) fn download(&mut self, peer: &Peer) {
         let Some((held, total)) = peer.download_progress().filter(|p| p.1 > 0) else {
             self.download_shown = None;
+            if let Some(bar) = self.download.take() {
+                bar.finish_and_clear();
+            }
             return;
         };
+        if self.status.is_some() {
+            let bar = self.download.get_or_insert_with(|| {
+                let bars = BARS.lock().unwrap_or_else(|e| e.into_inner());
+                let bar = ProgressBar::new(total);
+                bar.set_style(
+                    ProgressStyle::with_template(
+                        "  state download {bar:30} {bytes}/{total_bytes} ({bytes_per_sec}, {eta} left)",
+                    )
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                );
+                match bars.as_ref() {
+                    Some(bars) => bars.add(bar),
+                    None => bar,
+                }
+            });
+            bar.set_length(total);
+            bar.set_position(held);
+            return;
+        }
         let tenths = held * 10 / total;
         if self.download_shown.is_some_and(|t| t >= tenths) {
             return;
         }
         self.download_shown = Some(tenths);
         let mb = |b: u64| b as f64 / 1e6;
-        if self.tty {
-            println!();
-        }
         println!(
             "state download: {}% ({:.1} of {:.1} MB)",
             tenths * 10,
@@ -94,7 +151,7 @@ impl Progress {
     }
 
     pub(super) fn maybe_print(&mut self, peer: &Peer, tally: &Tally, _start: Instant) {
-        let every = if self.tty {
+        let every = if self.status.is_some() {
             Duration::from_millis(500)
         } else {
             Duration::from_secs(5)
@@ -134,17 +191,24 @@ impl Progress {
                 unserved.join(", ")
             ));
         }
-        if self.tty {
-            print!("\r\x1b[2K{line}");
-            let _ = std::io::Write::flush(&mut std::io::stdout());
-        } else {
-            println!("{line}");
+        match &self.status {
+            Some(bar) => {
+                bar.set_message(line);
+                bar.tick();
+            }
+            None => println!("{line}"),
         }
     }
 
-    pub(super) fn finish(&self) {
-        if self.tty {
-            println!();
+    /// Takes the bars down (the peer is leaving): what follows prints as plain lines, and
+    /// the last status stays on screen.
+    pub(super) fn finish(&mut self) {
+        if let Some(bar) = self.download.take() {
+            bar.finish_and_clear();
         }
+        if let Some(bar) = self.status.take() {
+            bar.finish();
+        }
+        *BARS.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 }

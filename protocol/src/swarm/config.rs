@@ -108,6 +108,26 @@ pub enum DataSource {
         /// xxh3-64 of the file's bytes.
         hash: u64,
     },
+    /// A token shard (llm.c's format, `shoal data prepare`) every data driver holds locally:
+    /// its tokens are ids of a vocabulary of `vocab`, which the model's follows.
+    TokenShard {
+        /// File name, for messages.
+        name: String,
+        /// xxh3-64 of the file's bytes.
+        hash: u64,
+        /// The size of its tokens' vocabulary.
+        vocab: u32,
+    },
+}
+
+impl DataSource {
+    /// The vocabulary the run's model has, where the data sets it (else the preset's).
+    pub fn vocab(&self) -> Option<usize> {
+        match self {
+            DataSource::TokenShard { vocab, .. } => Some(*vocab as usize),
+            DataSource::Synthetic | DataSource::TextFile { .. } => None,
+        }
+    }
 }
 
 /// Everything peers of one run must agree on.
