@@ -576,11 +576,9 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         let e = TextCorpus::open(&path).unwrap_err().to_string();
         assert!(e.contains("the header says 3 tokens"), "{e}");
-        for (t, vocab, why) in [(300u32, BYTE_VOCAB, "token 300 outside")] {
-            write_shard(&path, &[t], vocab).unwrap();
-            let e = TextCorpus::open(&path).unwrap_err().to_string();
-            assert!(e.contains(why), "{e}");
-        }
+        write_shard(&path, &[300], BYTE_VOCAB).unwrap();
+        let e = TextCorpus::open(&path).unwrap_err().to_string();
+        assert!(e.contains("token 300 outside"), "{e}");
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[4] = 7;
         std::fs::write(&path, &bytes).unwrap();
