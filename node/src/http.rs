@@ -45,6 +45,8 @@ pub async fn serve(addr: SocketAddr, routes: Routes) -> anyhow::Result<SocketAdd
     tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
+                // Out of file descriptors, say: wait rather than spin.
+                tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             };
             let Ok(slot) = slots.clone().try_acquire_owned() else {
