@@ -3,9 +3,10 @@
 //! network, finished compute, the clock, Ctrl-C) and carries out what it asks (send, gossip,
 //! compute), keeping counts for the progress line and the report.
 //!
-//! Close to 900 lines, kept whole: most of it is the one `select!` loop that owns the peer's
-//! state; the compute thread, the report, the progress line and the stall check live in
-//! their own modules.
+//! About 1,000 lines, kept whole: most of it is the one `select!` loop that owns the peer's
+//! state and the exit path that must see all of it (goodbye, checkpoint, report); the compute
+//! thread, checkpoints, the report, the progress bars, the metrics and the dashboard live in
+//! `run/`.
 
 use crate::cli::RunArgs;
 use crate::report;
@@ -712,13 +713,8 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
                         d.on_event(&e, &ids);
                     }
                     if matches!(e, Event::Stepped { .. }) {
-                        let c = peer.config();
-                        let tokens = peer.stats().microbatches_done
-                            * u64::from(c.microbatch)
-                            * u64::from(c.seq);
-                        tally
-                            .tokens_curve
-                            .push((start.elapsed().as_secs_f64(), tokens));
+                        let at = start.elapsed().as_secs_f64();
+                        tally.tokens_curve.push((at, committed_tokens(&peer)));
                     }
                     on_event(e, &peer, &ids, &mut tally);
                 }
@@ -753,7 +749,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         }
     }
     let stats = peer.stats();
-    let tokens = stats.microbatches_done * config.microbatch as u64 * config.seq as u64;
+    let tokens = committed_tokens(&peer);
     say!(
         "{}: stage {} at step {}, {} microbatches ({} retried, {} dropped), {:.0} tokens/s{}",
         match &ending {
@@ -808,6 +804,13 @@ async fn stop_requested() -> anyhow::Result<&'static str> {
             .map(|()| "Ctrl-C")
             .context("cannot listen for Ctrl-C")
     }
+}
+
+/// Tokens of the microbatches this peer's stage has committed (the progress line, the report,
+/// the metrics and the dashboard all count throughput from it).
+fn committed_tokens(peer: &Peer) -> u64 {
+    let c = peer.config();
+    peer.stats().microbatches_done * u64::from(c.microbatch) * u64::from(c.seq)
 }
 
 /// How the run loop ended.

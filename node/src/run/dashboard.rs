@@ -3,7 +3,7 @@
 //! (`node/src/dashboard.html`) to draw.
 
 use super::run_metrics::RunMetrics;
-use super::{Tally, peer_id};
+use super::{Tally, committed_tokens, peer_id};
 use libp2p::PeerId;
 use serde_json::{Value, json};
 use shoal_protocol::swarm::message::MemberState;
@@ -133,7 +133,7 @@ impl Dashboard {
         self.last = Some(now);
         let c = peer.config();
         let seq = f64::from(c.seq);
-        let tokens = peer.stats().microbatches_done * u64::from(c.microbatch) * u64::from(c.seq);
+        let tokens = committed_tokens(peer);
         if dt > 0.0 {
             let t = self.start.elapsed().as_secs_f64();
             push(

@@ -2,8 +2,8 @@
 //! transfers, misconduct and device memory, refreshed from the run loop's own counts (the
 //! same numbers as the progress line and the report).
 
-use super::Tally;
 use super::compute::MemoryTally;
+use super::{Tally, committed_tokens};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -208,7 +208,6 @@ impl RunMetrics {
     /// Brings every metric up to date.
     pub(super) fn refresh(&mut self, peer: &Peer, tally: &Tally, memory: &MemoryTally) {
         let stats = peer.stats();
-        let c = peer.config();
         let gauge = |g: &Gauge, v: u64| g.set(i64::try_from(v).unwrap_or(i64::MAX));
         gauge(&self.step, peer.step());
         gauge(&self.round, peer.round());
@@ -216,7 +215,7 @@ impl RunMetrics {
         if let Some((_, l)) = tally.loss_curve.last() {
             self.loss.set(*l);
         }
-        let tokens = stats.microbatches_done * u64::from(c.microbatch) * u64::from(c.seq);
+        let tokens = committed_tokens(peer);
         raise(&self.tokens, tokens);
         let now = Instant::now();
         self.recent.push_back((now, tokens));

@@ -2,7 +2,7 @@
 //! runs, so a peer that crashes leaves one, and on exit.
 
 use super::compute::MemoryTally;
-use super::{Tally, peer_id};
+use super::{Tally, committed_tokens, peer_id};
 use libp2p::PeerId;
 use serde::Serialize;
 use shoal_protocol::swarm::message::Traffic;
@@ -99,7 +99,7 @@ impl RunReport {
         let config = &ctx.config;
         let seconds = ctx.start.elapsed().as_secs_f64();
         let stats = peer.stats();
-        let tokens = stats.microbatches_done * u64::from(config.microbatch) * u64::from(config.seq);
+        let tokens = committed_tokens(peer);
         let names = |m: &BTreeMap<Traffic, u64>| {
             Traffic::ALL
                 .iter()
