@@ -122,6 +122,22 @@ impl<B: Backend> StageReplica<B> {
         })
     }
 
+    /// Replaces a fresh replica's initial parameters (e.g. by a pretrained model's): the
+    /// first outer round's anchor follows. Refused once the replica has trained, where the
+    /// optimizer's moments would no longer match the parameters.
+    pub fn start_from(&mut self, params: &[f32]) -> Result<(), StageError> {
+        if self.step() > 0 || !self.accumulator.is_empty() || !self.pending.is_empty() {
+            return Err(StageError::BadInput {
+                stage: self.spec().index,
+                reason: "only a fresh replica takes initial parameters".into(),
+            });
+        }
+        self.check_len(params.len())?;
+        self.stage.upload_params(params)?;
+        self.anchor = self.stage.download_params()?;
+        Ok(())
+    }
+
     /// Activation recomputation (see [`Stage::set_recompute`]).
     pub fn set_recompute(&mut self, recompute: bool) -> Result<(), StageError> {
         self.stage.set_recompute(recompute)
@@ -162,6 +178,20 @@ impl<B: Backend> StageReplica<B> {
             return Err(StageError::DuplicateMicrobatch(id));
         }
         self.stage.forward(id, shape, input, targets)
+    }
+
+    /// Forward of held-out microbatch `id`, keeping nothing for a backward pass: what an
+    /// evaluation of the model runs.
+    pub fn evaluate(
+        &mut self,
+        id: MicrobatchId,
+        shape: MicrobatchShape,
+        input: StageInput<'_>,
+        targets: Option<&[u32]>,
+    ) -> Result<StageOutput, StageError> {
+        let out = self.forward(id, shape, input, targets)?;
+        self.stage.discard(id);
+        Ok(out)
     }
 
     /// Backward of `id`. Its parameter gradient is held pending until [`StageReplica::commit`]

@@ -231,6 +231,7 @@ mod tests {
             rows: 4,
             sample: 0,
             input: shoal_protocol::swarm::Input::Tokens,
+            held_out: false,
         };
         let t = d.job_time(&fwd, Some(0), &costs, None) - d.job_overhead;
         assert!((t.as_secs_f64() - 4.0 * 1e9 / 4.0e12).abs() < 1e-9);

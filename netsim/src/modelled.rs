@@ -383,6 +383,7 @@ mod tests {
             rows: 2,
             sample: 0,
             input: Input::Tokens,
+            held_out: false,
         })
         else {
             panic!("the first stage forwards activations")
@@ -396,6 +397,7 @@ mod tests {
             rows: 2,
             sample: 0,
             input: Input::Activations(acts),
+            held_out: false,
         })
         else {
             panic!("the last stage reports a loss")

@@ -46,6 +46,8 @@ pub struct Report {
     pub final_loss: Option<f64>,
     /// `[sim_s, step, loss]` per step.
     pub loss_curve: Vec<(f64, u64, f64)>,
+    /// `[sim_s, step, held-out loss]` per evaluation (`eval_every` in `[run]`).
+    pub val_curve: Vec<(f64, u64, f64)>,
     /// `[sim_s, tokens trained so far]` per step.
     pub tokens_curve: Vec<(f64, u64)>,
     /// Device-seconds of work given to the peers serving each stage, by stage (the stage a
@@ -158,6 +160,16 @@ impl Report {
                 _ => "-".into(),
             },
         );
+        if let Some((_, step, loss)) = self.val_curve.last() {
+            row(
+                &mut out,
+                "held-out loss",
+                format!(
+                    "{loss:.4} at step {step} ({} evaluations)",
+                    self.val_curve.len()
+                ),
+            );
+        }
         row(
             &mut out,
             "throughput",

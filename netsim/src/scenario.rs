@@ -8,7 +8,7 @@ use shoal_protocol::TrafficCodecs;
 use shoal_protocol::swarm::attack::Behavior;
 use shoal_protocol::swarm::membership::Routing;
 use shoal_protocol::swarm::{
-    DataSource, PAPER_OUTER_LR, PAPER_OUTER_MOMENTUM, RunConfig, SyncMode,
+    DataSource, Evaluation, PAPER_OUTER_LR, PAPER_OUTER_MOMENTUM, RunConfig, SyncMode,
 };
 use std::str::FromStr;
 
@@ -78,6 +78,26 @@ pub struct RunSection {
     /// sizes and random contents: timing and traffic only, for models too large to train here).
     #[serde(default = "real")]
     pub compute: String,
+    /// Steps between held-out evaluations of the swarm's model (0: none).
+    #[serde(default)]
+    pub eval_every: u64,
+    /// Held-out samples each evaluation.
+    #[serde(default = "held_out_samples")]
+    pub eval_samples: u32,
+}
+
+impl RunSection {
+    fn evaluation(&self) -> Evaluation {
+        Evaluation {
+            every: self.eval_every,
+            samples: self.eval_samples,
+            data: None,
+        }
+    }
+}
+
+fn held_out_samples() -> u32 {
+    Evaluation::default().samples
 }
 
 fn allreduce() -> String {
@@ -360,6 +380,8 @@ impl Scenario {
             codecs,
             data: DataSource::Synthetic,
             seed: r.data_seed,
+            init: None,
+            evaluation: r.evaluation(),
         };
         config.validate().map_err(|e| format!("[run]: {e}"))?;
         if self.peers.is_empty() {

@@ -276,6 +276,7 @@ pub struct Sim {
     step: u64,
     tokens: u64,
     loss_curve: Vec<(f64, u64, f64)>,
+    val_curve: Vec<(f64, u64, f64)>,
     tokens_curve: Vec<(f64, u64)>,
     /// Device-seconds of work given to the peers serving each stage.
     stage_busy: Vec<f64>,
@@ -372,6 +373,7 @@ impl Sim {
             step: 0,
             tokens: 0,
             loss_curve: Vec::new(),
+            val_curve: Vec::new(),
             tokens_curve: vec![(0.0, 0)],
             stage_busy: vec![0.0; setup.config.stages as usize],
             bytes: BTreeMap::new(),

@@ -272,6 +272,24 @@ pub struct RunArgs {
     /// built-in synthetic corpus).
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Held-out data the swarm's model is evaluated on (e.g. the `_val.bin` shard of `shoal
+    /// data prepare`; default: samples of --data drawn apart from training's); every peer
+    /// needs the same file, as --data.
+    #[arg(long)]
+    pub val_data: Option<PathBuf>,
+    /// Evaluate the swarm's model on held-out data every N steps and at the last (0: never):
+    /// one first-stage replica runs it through the pipeline, every peer's report has the
+    /// `val_curve`.
+    #[arg(long, default_value = "0")]
+    pub eval_every: u64,
+    /// Held-out samples per evaluation.
+    #[arg(long, default_value = "256", value_parser = positive)]
+    pub eval_samples: usize,
+    /// Start the run from this model file (safetensors, as `shoal export` writes, or Hugging
+    /// Face's GPT-2 layout) instead of the seed's initialisation; its shape must be the
+    /// preset's and every peer needs the same file.
+    #[arg(long)]
+    pub init: Option<PathBuf>,
     /// Codec of activations (fp32, fp16, bf16, int8[:BLOCK], int4[:BLOCK], int2[:BLOCK],
     /// topk:P%[:int8], ctopk:K/CHUNK:BITS), or two as LIGHT,STRONG: each hop sends the light
     /// one while its link keeps pace with the stage's device and the strong one otherwise;

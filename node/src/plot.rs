@@ -165,8 +165,10 @@ fn panels(kind: Kind, reports: &[(String, Value)]) -> Vec<Panel> {
         for (p, line) in out.iter_mut().zip(lines) {
             p.series.push((name.clone(), line));
         }
-        let held_out = pairs(&r["val_curve"], 0, 1);
-        if kind == Kind::Train && !held_out.is_empty() {
+        // netsim's points are `[sim_s, step, loss]`, drawn against simulated seconds.
+        let loss_column = if kind == Kind::Netsim { 2 } else { 1 };
+        let held_out = pairs(&r["val_curve"], 0, loss_column);
+        if !held_out.is_empty() {
             out[0].series.push((format!("{name} (held-out)"), held_out));
         }
     }

@@ -13,13 +13,12 @@ use crate::report;
 use anyhow::{Context, bail};
 use libp2p::multiaddr::Protocol;
 use libp2p::{Multiaddr, PeerId};
-use shoal_compute::data::TextCorpus;
-use shoal_compute::{Corpus, StageSpec};
+use shoal_compute::StageSpec;
 use shoal_node::net::{self, GossipCheck, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
-    Action, DataSource, Envelope, Event, Job, Message, Peer, PeerKey, Resume, RunConfig, RunId,
-    Timing,
+    Action, DataSource, Envelope, Evaluation, Event, Job, Message, Peer, PeerKey, Resume,
+    RunConfig, RunId, Timing,
 };
 use shoal_protocol::{FrameKind, TrafficCodecs};
 use shoal_worker::{StageWorker, model_of, stage_costs};
@@ -33,6 +32,7 @@ pub(crate) mod checkpoint;
 mod compute;
 mod dashboard;
 pub(crate) mod progress;
+mod run_files;
 mod run_metrics;
 mod run_report;
 
@@ -44,11 +44,6 @@ use compute::{MemoryTally, Worker, WorkerMsg, spawn_worker};
 use progress::{Progress, Stall, say};
 use run_report::{ReportContext, RunReport};
 
-/// Whether a data file is a token shard (llm.c's magic first).
-fn is_shard(bytes: &[u8]) -> bool {
-    bytes.get(..4) == Some(&shoal_compute::data::SHARD_MAGIC.to_le_bytes()[..])
-}
-
 /// The run's configuration from the command line of the peer that creates it.
 fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
     let model = args.preset.config();
@@ -57,29 +52,19 @@ fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
         .with_context(|| format!("--stages {} --seq {seq}", args.stages))?;
     let data = match &args.data {
         None => DataSource::Synthetic,
-        Some(path) => {
-            let bytes =
-                std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-            let name = path
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            let hash = xxhash_rust::xxh3::xxh3_64(&bytes);
-            // Read as training reads it: a shard names its vocabulary, text is bytes.
-            let corpus = TextCorpus::open(path)?;
-            if corpus.vocab() == shoal_compute::data::BYTE_VOCAB && !is_shard(&bytes) {
-                DataSource::TextFile { name, hash }
-            } else {
-                DataSource::TokenShard {
-                    name,
-                    hash,
-                    vocab: corpus.vocab() as u32,
-                }
-            }
-        }
+        Some(path) => run_files::data_source(path)?,
+    };
+    let evaluation = Evaluation {
+        every: args.eval_every,
+        samples: u32::try_from(args.eval_samples).unwrap_or(u32::MAX),
+        data: args
+            .val_data
+            .as_deref()
+            .map(run_files::data_source)
+            .transpose()?,
     };
     let sync = args.diloco.sync_mode(args.sync)?;
-    let config = RunConfig {
+    let mut config = RunConfig {
         preset: args.preset.name().to_string(),
         stages: args.stages as u32,
         global_batch: args.global_batch as u32,
@@ -95,8 +80,15 @@ fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
         },
         data,
         seed: args.seed,
+        init: None,
+        evaluation,
     };
     config.validate().map_err(|e| anyhow::anyhow!("{e}"))?;
+    // The model's shape follows the preset and the data's vocabulary.
+    if let Some(path) = &args.init {
+        let model = model_of(&config).map_err(anyhow::Error::msg)?;
+        config.init = Some(run_files::model_ref(path, &model)?);
+    }
     Ok(config)
 }
 
@@ -216,6 +208,8 @@ struct Tally {
     /// Boundary messages handed to the transport, by the codec chosen for their hop.
     boundary_codecs: BTreeMap<String, u64>,
     loss_curve: Vec<(u64, f64)>,
+    /// `[step, held-out loss]` of each evaluation heard of.
+    val_curve: Vec<(u64, f64)>,
     /// `[seconds, tokens committed]` after each step.
     tokens_curve: Vec<(f64, u64)>,
     committed: Vec<(u32, u64)>,
@@ -315,27 +309,23 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     };
     let costs = stage_costs(&config, &model, &timing);
     let announce_every = timing.announce_every;
-    let corpus = match &config.data {
-        DataSource::Synthetic => Some(Corpus::synthetic(config.seed)),
-        DataSource::TextFile { name, hash } | DataSource::TokenShard { name, hash, .. } => {
-            match &args.data {
-                Some(path) => {
-                    let bytes = std::fs::read(path)
-                        .with_context(|| format!("cannot read {}", path.display()))?;
-                    if xxhash_rust::xxh3::xxh3_64(&bytes) != *hash {
-                        bail!("{} is not the run's data file {name}", path.display());
-                    }
-                    Some(Corpus::Text(TextCorpus::open(path)?))
-                }
-                // Without the file this peer serves later stages only... but stage choice is the
-                // protocol's; refuse clearly rather than fail on the first microbatch.
-                None => bail!("this run trains on {name}: pass the same file with --data"),
-            }
+    let corpus =
+        run_files::local_corpus(&config.data, args.data.as_deref(), "--data", config.seed)?;
+    corpus.check_seq(config.seq as usize)?;
+    let held_out = match &config.evaluation.data {
+        Some(source) if config.evaluation.every > 0 => {
+            let corpus = run_files::local_corpus(
+                source,
+                args.val_data.as_deref(),
+                "--val-data",
+                config.seed,
+            )?;
+            corpus.check_seq(config.seq as usize)?;
+            Some(corpus)
         }
+        _ => None,
     };
-    if let Some(c) = &corpus {
-        c.check_seq(config.seq as usize)?;
-    }
+    let initial = run_files::initial_params(&config, &model, args.init.as_deref())?;
     let backend = Arc::new(args.device.open()?);
     let backend_name = shoal_compute::Backend::name(&*backend);
     let device_memory = args
@@ -367,8 +357,12 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let memory = Arc::new(MemoryTally::default());
     let mut worker = Worker {
         stage: {
-            let mut w =
-                StageWorker::new(config.clone(), backend, corpus).map_err(anyhow::Error::msg)?;
+            let mut w = StageWorker::new(config.clone(), backend, Some(corpus))
+                .map_err(anyhow::Error::msg)?;
+            w.set_held_out(held_out);
+            if let Some(initial) = initial {
+                w.set_initial(initial);
+            }
             w.set_recompute(args.recompute);
             match (args.memory_limit, device_memory) {
                 (Some(limit), _) => w.set_memory_limit(Some(limit)),
@@ -921,6 +915,15 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
             }
         }
         Event::Warning(w) => tracing::warn!("{w}"),
+        Event::HeldOut(h) => {
+            let by = peer_id(ids, h.by);
+            say!(
+                "step {}: held-out loss {:.4} (evaluated by {by})",
+                h.step,
+                h.loss
+            );
+            tally.val_curve.push((h.step, f64::from(h.loss)));
+        }
     }
 }
 
@@ -944,6 +947,8 @@ mod tests {
                 codecs: TrafficCodecs::default(),
                 data: DataSource::Synthetic,
                 seed: 1,
+                init: None,
+                evaluation: Default::default(),
             },
             stage: 1,
             step: 4,

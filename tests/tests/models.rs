@@ -2,7 +2,8 @@
 //! that a NumPy forward pass written apart from shoal (`tests/python/gpt2_numpy.py`, reading
 //! it with the `safetensors` package) computes the same next-token probabilities from (within
 //! 1e-4) and continues the same way greedily; `--init` starts training from the file where
-//! the first run ended; `shoal export` assembles a swarm peer's checkpoint.
+//! the first run ended, in `shoal train` and in a swarm (`shoal run --init`, whose held-out
+//! evaluations every peer reports).
 //!
 //! Needs python3 with numpy and safetensors: the README's test command installs them into
 //! `target/python`.
@@ -10,9 +11,12 @@
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use serde_json::Value;
-use shoal_tests::{shoal_binary, temp_dir};
+use shoal_tests::{RunProcess, shoal_binary, temp_dir};
 use std::path::Path;
 use std::process::{Command, Output};
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(600);
 
 fn shoal(args: &[&str]) -> Output {
     let out = Command::new(shoal_binary()).args(args).output().unwrap();
@@ -220,4 +224,104 @@ fn gpt2_token_shards_train_a_model_of_gpt2s_vocabulary() {
         "10",
     ]);
     assert!(String::from_utf8_lossy(&generated.stdout).starts_with("ROMEO:"));
+}
+
+/// A swarm started from a model file (`shoal run --init`): both peers of a 2-stage run build
+/// their stages from the file, so the run's first loss is where the file's training ended;
+/// its held-out evaluations (`--eval-every`) reach both peers' reports; a peer without the
+/// file cannot join.
+#[test]
+fn a_swarm_starts_from_a_model_file_and_reports_its_held_out_loss() {
+    let dir = temp_dir("run-init");
+    let model = dir.join("model.safetensors");
+    let trained = dir.join("train.json");
+    let shape = ["--preset", "nano", "--seq", "32"];
+    let mut args = vec!["train", "--stages", "2", "--batch", "8", "--threads", "1"];
+    args.extend(shape);
+    args.extend([
+        "--steps",
+        "60",
+        "--export",
+        model.to_str().unwrap(),
+        "--report",
+        trained.to_str().unwrap(),
+    ]);
+    shoal(&args);
+    let trained = report(&trained);
+
+    let peer = |name: &str, extra: &[&str]| {
+        let mut a = vec![
+            "--listen",
+            "/ip4/127.0.0.1/udp/0/quic-v1",
+            "--no-mdns",
+            "--threads",
+            "1",
+        ];
+        a.extend(extra);
+        RunProcess::start(&dir, name, &a)
+    };
+    let mut creator_args = vec![
+        "--stages",
+        "2",
+        "--global-batch",
+        "8",
+        "--microbatch",
+        "4",
+        "--max-steps",
+        "8",
+        "--eval-every",
+        "4",
+        "--eval-samples",
+        "32",
+        "--init",
+        model.to_str().unwrap(),
+    ];
+    creator_args.extend(shape);
+    let mut creator = peer("p0", &creator_args);
+    let (run, addr) = creator.join_command(LONG, |_| true);
+    let join = ["--run", run.as_str(), "--bootstrap", addr.as_str()];
+    let without = Command::new(shoal_binary())
+        .args([
+            "run",
+            "--no-mdns",
+            "--listen",
+            "/ip4/127.0.0.1/udp/0/quic-v1",
+        ])
+        .args(join)
+        .arg("--identity")
+        .arg(dir.join("p2.key"))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&without.stderr);
+    assert!(!without.status.success(), "{said}");
+    assert!(said.contains("pass the same file with --init"), "{said}");
+    let mut joiner = peer(
+        "p1",
+        &[&join[..], &["--init", model.to_str().unwrap()]].concat(),
+    );
+    let reports = [creator.finish(LONG), joiner.finish(LONG)];
+
+    let end = trained["final_loss"].as_f64().unwrap();
+    let held_out = trained["held_out_loss"].as_f64().unwrap();
+    let uniform = 256f64.ln();
+    for r in &reports {
+        // Steps 4 and 8, the same evaluation in both peers' reports.
+        let curve = r["val_curve"].as_array().unwrap();
+        let steps: Vec<u64> = curve.iter().map(|p| p[0].as_u64().unwrap()).collect();
+        assert_eq!(steps, [4, 8], "{r}");
+        assert_eq!(r["val_curve"], reports[0]["val_curve"]);
+        assert_eq!(r["held_out_loss"], curve[1][1], "{r}");
+        // Near the file's held-out loss, far from a fresh model's.
+        let first = curve[0][1].as_f64().unwrap();
+        assert!(
+            (first - held_out).abs() < 0.25 * (uniform - held_out),
+            "held-out {first:.3} after 4 steps from a file at {held_out:.3} (fresh: {uniform:.3})"
+        );
+    }
+    let last_stage = reports.iter().find(|r| r["stage"] == 1).unwrap();
+    let first_loss = last_stage["loss_curve"][0][1].as_f64().unwrap();
+    assert!(
+        (first_loss - end).abs() < 0.25 * (uniform - end),
+        "the run's first loss {first_loss:.3}; the file's training ended at {end:.3}"
+    );
 }

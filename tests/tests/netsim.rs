@@ -413,7 +413,12 @@ fn the_shipped_scenarios_are_valid() {
 fn the_command_writes_a_report_and_a_plot() {
     let dir = temp_dir("netsim-cli");
     let scenario = dir.join("small.toml");
-    std::fs::write(&scenario, SMALL).unwrap();
+    // With held-out evaluations every 4 steps.
+    let evaluated = SMALL.replace(
+        "steps = 12",
+        "steps = 12\neval_every = 4\neval_samples = 16",
+    );
+    std::fs::write(&scenario, &evaluated).unwrap();
     let (report, plot) = (dir.join("report.json"), dir.join("curves.svg"));
     let out = Command::new(shoal_binary())
         .arg("netsim")
@@ -453,6 +458,14 @@ fn the_command_writes_a_report_and_a_plot() {
     }
     assert_eq!(r["seed"], 3);
     assert_eq!(r["loss_curve"][0].as_array().unwrap().len(), 3);
+    let steps: Vec<u64> = r["val_curve"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p[1].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [4, 8, 12], "{r}");
+    assert!(stdout.contains("held-out loss"), "{stdout}");
     let svg = std::fs::read_to_string(&plot).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("polyline"), "{svg}");
 

@@ -39,10 +39,11 @@ fn specs(config: &RunConfig) -> Vec<StageSpec> {
         .collect()
 }
 
-/// The tokens and next-token targets of `rows` samples from `index` on, as a driver reads
-/// them.
+/// The tokens and next-token targets of `rows` samples from `index` on, drawn with `seed`,
+/// as a driver reads them.
 pub fn read_samples(
     corpus: &Corpus,
+    seed: u64,
     config: &RunConfig,
     index: u64,
     rows: u32,
@@ -52,7 +53,7 @@ pub fn read_samples(
     let mut targets = Vec::with_capacity(rows as usize * seq);
     let mut sample = vec![0u32; seq + 1];
     for r in 0..u64::from(rows) {
-        corpus.sample(config.seed, index.wrapping_add(r), &mut sample);
+        corpus.sample(seed, index.wrapping_add(r), &mut sample);
         inputs.extend_from_slice(&sample[..seq]);
         targets.extend_from_slice(&sample[1..]);
     }
@@ -112,6 +113,12 @@ pub fn offloaded_host_bytes(config: &RunConfig, model: &ModelConfig) -> u64 {
     24 * largest
 }
 
+/// A stage's initial parameters in its storage order, e.g. read from a model file.
+pub type InitialParams<B> = Box<dyn Fn(&StageReplica<B>) -> Result<Vec<f32>, String> + Send>;
+
+/// The seed of held-out samples is the run's plus this, so that no run trains on them.
+pub const HELD_OUT_SEED: u64 = 0x0004_e1d0;
+
 /// Runs one peer's compute jobs. Checkpoint jobs are the owner's (they write files) and are
 /// answered `Done` here.
 pub struct StageWorker<B: Backend = CpuBackend> {
@@ -119,6 +126,10 @@ pub struct StageWorker<B: Backend = CpuBackend> {
     model: ModelConfig,
     backend: Arc<B>,
     corpus: Option<Corpus>,
+    /// Where held-out samples come from (None: the training data, drawn with another seed).
+    held_out: Option<Corpus>,
+    /// The parameters a stage built fresh starts from (None: the run's seed).
+    initial: Option<InitialParams<B>>,
     replica: Option<StageReplica<B>>,
     /// Stages recompute activations in the backward pass (see [`Stage::set_recompute`]).
     recompute: bool,
@@ -139,11 +150,25 @@ impl<B: Backend> StageWorker<B> {
             model,
             backend,
             corpus,
+            held_out: None,
+            initial: None,
             replica: None,
             recompute: false,
             memory_limit: None,
             device_memory: None,
         })
+    }
+
+    /// Held-out samples are read from `corpus` (the run's held-out data) rather than drawn
+    /// from the training data.
+    pub fn set_held_out(&mut self, corpus: Option<Corpus>) {
+        self.held_out = corpus;
+    }
+
+    /// Every stage built fresh from now on starts from these parameters rather than the
+    /// seed's (`shoal run --init`).
+    pub fn set_initial(&mut self, initial: InitialParams<B>) {
+        self.initial = Some(initial);
     }
 
     /// Every stage built from now on recomputes activations in the backward pass rather than
@@ -226,7 +251,10 @@ impl<B: Backend> StageWorker<B> {
     fn try_run(&mut self, job: Job) -> Result<ComputeDone, String> {
         Ok(match job {
             Job::Init { stage } => {
-                let r = self.build(stage)?;
+                let mut r = self.build(stage)?;
+                if let Some(initial) = &self.initial {
+                    r.start_from(&initial(&r)?).map_err(err)?;
+                }
                 let hash = r.param_hash().map_err(err)?;
                 self.replica = Some(r);
                 ComputeDone::Ready { hash }
@@ -251,6 +279,7 @@ impl<B: Backend> StageWorker<B> {
                 rows,
                 sample,
                 input,
+                held_out,
             } => {
                 let shape = MicrobatchShape {
                     batch: rows as usize,
@@ -262,8 +291,17 @@ impl<B: Backend> StageWorker<B> {
                 let (inputs, targets) = match (&input, last) {
                     (Input::Activations(_), false) => (Vec::new(), None),
                     _ => {
-                        let corpus = self.corpus.as_ref().ok_or("no data on this peer")?;
-                        let (inputs, targets) = read_samples(corpus, &self.config, sample, rows);
+                        let (corpus, seed) = match (held_out, &self.held_out) {
+                            (false, _) => (self.corpus.as_ref(), self.config.seed),
+                            (true, Some(c)) => (Some(c), self.config.seed),
+                            (true, None) => (
+                                self.corpus.as_ref(),
+                                self.config.seed.wrapping_add(HELD_OUT_SEED),
+                            ),
+                        };
+                        let corpus = corpus.ok_or("no data on this peer")?;
+                        let (inputs, targets) =
+                            read_samples(corpus, seed, &self.config, sample, rows);
                         (inputs, last.then_some(targets))
                     }
                 };
@@ -271,13 +309,15 @@ impl<B: Backend> StageWorker<B> {
                     Input::Tokens => StageInput::Tokens(&inputs),
                     Input::Activations(acts) => StageInput::Activations(acts),
                 };
-                let out = self
-                    .serving()?
-                    .forward(id, shape, stage_input, targets.as_deref())
-                    .map_err(err)?;
+                let replica = self.serving()?;
+                let out = if held_out {
+                    replica.evaluate(id, shape, stage_input, targets.as_deref())
+                } else {
+                    replica.forward(id, shape, stage_input, targets.as_deref())
+                };
                 ComputeDone::Forward {
                     id,
-                    output: output(out),
+                    output: output(out.map_err(err)?),
                 }
             }
             Job::Backward { id, grad, rows } => {
@@ -355,11 +395,8 @@ mod tests {
     use super::*;
     use shoal_protocol::swarm::SyncMode;
 
-    /// A replica that restarts its stage keeps what it trained (its parameters, step and
-    /// hash); restarting a stage it does not hold builds that one from the seed.
-    #[test]
-    fn a_restart_keeps_the_state_held() {
-        let config = RunConfig {
+    fn config() -> RunConfig {
+        RunConfig {
             preset: "nano".into(),
             stages: 2,
             global_batch: 4,
@@ -371,9 +408,17 @@ mod tests {
             codecs: shoal_protocol::TrafficCodecs::default(),
             data: shoal_protocol::swarm::DataSource::Synthetic,
             seed: 5,
-        };
+            init: None,
+            evaluation: Default::default(),
+        }
+    }
+
+    /// A replica that restarts its stage keeps what it trained (its parameters, step and
+    /// hash); restarting a stage it does not hold builds that one from the seed.
+    #[test]
+    fn a_restart_keeps_the_state_held() {
         let backend = Arc::new(CpuBackend::new(1).unwrap());
-        let mut w = StageWorker::new(config, backend, None).unwrap();
+        let mut w = StageWorker::new(config(), backend, None).unwrap();
         let ready = |done: ComputeDone| match done {
             ComputeDone::Ready { hash } => hash,
             other => panic!("{other:?}"),
@@ -389,5 +434,46 @@ mod tests {
         assert_eq!(w.replica().unwrap().step(), 1);
         let other = ready(w.run(Job::Restart { stage: 0 }));
         assert_eq!(ready(w.run(Job::Init { stage: 0 })), other);
+    }
+
+    /// A stage built fresh takes the run's initial parameters; a held-out forward pass reads
+    /// held-out samples (not the training ones) and keeps nothing for a backward pass.
+    #[test]
+    fn a_fresh_stage_starts_from_the_initial_parameters_and_held_out_passes_keep_nothing() {
+        let backend = Arc::new(CpuBackend::new(1).unwrap());
+        let mut w = StageWorker::new(config(), backend, Some(Corpus::synthetic(5))).unwrap();
+        let seeded = w.build(0).unwrap().stage().download_params().unwrap();
+        let doubled: Vec<f32> = seeded.iter().map(|x| 2.0 * x).collect();
+        let given = doubled.clone();
+        w.set_initial(Box::new(move |_| Ok(given.clone())));
+        w.run(Job::Init { stage: 0 });
+        let r = w.replica().unwrap();
+        assert!(r.stage().download_params().unwrap() == doubled);
+        let forward = |id, held_out| Job::Forward {
+            id,
+            rows: 2,
+            sample: 0,
+            input: Input::Tokens,
+            held_out,
+        };
+        let acts = |done| match done {
+            ComputeDone::Forward {
+                output: Output::Activations(a),
+                ..
+            } => a,
+            other => panic!("{other:?}"),
+        };
+        let w2 = &mut w;
+        let training = acts(w2.run(forward(1, false)));
+        let held_out = acts(w2.run(forward(2, true)));
+        assert!(
+            training != held_out,
+            "sample 0 of the held-out data is another text"
+        );
+        assert_eq!(
+            w.replica().unwrap().in_flight(),
+            1,
+            "only the training pass waits"
+        );
     }
 }

@@ -39,6 +39,14 @@ impl Sim {
                 self.check_recoveries();
             }
             Event::Stepped { .. } => self.check_recoveries(),
+            // Each evaluation when the first peer hears of it.
+            Event::HeldOut(h)
+                if self.setup.compute == Compute::Real
+                    && self.val_curve.last().is_none_or(|v| v.1 < h.step) =>
+            {
+                self.val_curve
+                    .push((self.now_s(), h.step, f64::from(h.loss)));
+            }
             Event::Committed { sample } => {
                 if let Some(s) = stage {
                     if !self.committed.insert((s, sample)) {
@@ -134,6 +142,7 @@ impl Sim {
             rows,
             sample: 0,
             input: Input::Tokens,
+            held_out: false,
         };
         let backward = Job::Backward {
             id: 0,
@@ -249,6 +258,7 @@ impl Sim {
             compute: self.setup.compute.name().into(),
             final_loss,
             loss_curve: self.loss_curve,
+            val_curve: self.val_curve,
             tokens_curve: self.tokens_curve,
             stage_busy_seconds: self.stage_busy,
             bytes: Traffic::ALL

@@ -117,6 +117,7 @@ impl Dashboard {
                 "round {round}: {left_out} member(s) left out, {zeroed} part(s) lost, {refused} refused"
             ),
             Event::Finished => "the run reached its last step".to_string(),
+            Event::HeldOut(h) => format!("step {}: held-out loss {:.4}", h.step, h.loss),
             _ => return,
         };
         self.event(text);
@@ -232,6 +233,7 @@ impl Dashboard {
             "max_steps": c.max_steps,
             "stages": stages,
             "loss": self.loss.iter().map(|(s, l)| json!([s, l])).collect::<Vec<_>>(),
+            "held_out": tally.val_curve.last().map(|(s, l)| json!([s, l])),
             "throughput": self.throughput.iter().map(|(t, v)| json!([t, v])).collect::<Vec<_>>(),
             "events": self.events.iter().rev().map(|(t, e)| json!([t, e])).collect::<Vec<_>>(),
             "seconds": self.start.elapsed().as_secs_f64(),

@@ -24,6 +24,8 @@ pub(super) struct RunMetrics {
     round: Gauge,
     stage: Gauge,
     loss: FloatGauge,
+    held_out_loss: FloatGauge,
+    held_out_step: Gauge,
     tokens: Counter,
     tokens_per_second: FloatGauge,
     traffic: Family<Labels, Counter>,
@@ -66,6 +68,8 @@ impl RunMetrics {
             round: Gauge::default(),
             stage: Gauge::default(),
             loss: FloatGauge::default(),
+            held_out_loss: FloatGauge::default(),
+            held_out_step: Gauge::default(),
             tokens: Counter::default(),
             tokens_per_second: FloatGauge::default(),
             traffic: Family::default(),
@@ -88,6 +92,7 @@ impl RunMetrics {
         };
         m.stage.set(-1);
         m.loss.set(f64::NAN);
+        m.held_out_loss.set(f64::NAN);
         r.register(
             "step",
             "Optimizer steps this peer's stage has taken",
@@ -107,6 +112,16 @@ impl RunMetrics {
             "loss",
             "Mean loss of the last step this peer saw as the last stage (NaN before)",
             m.loss.clone(),
+        );
+        r.register(
+            "held_out_loss",
+            "Mean loss of the run's model on held-out samples at its last evaluation (NaN before)",
+            m.held_out_loss.clone(),
+        );
+        r.register(
+            "held_out_step",
+            "The step of the last held-out evaluation (0 before)",
+            m.held_out_step.clone(),
         );
         r.register(
             "tokens",
@@ -214,6 +229,10 @@ impl RunMetrics {
         self.stage.set(peer.stage().map_or(-1, i64::from));
         if let Some((_, l)) = tally.loss_curve.last() {
             self.loss.set(*l);
+        }
+        if let Some((step, l)) = tally.val_curve.last() {
+            self.held_out_loss.set(*l);
+            gauge(&self.held_out_step, *step);
         }
         let tokens = committed_tokens(peer);
         raise(&self.tokens, tokens);

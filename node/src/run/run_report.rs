@@ -48,6 +48,11 @@ pub(super) struct RunReport {
     /// Mean loss of the last steps this peer saw as the last stage.
     pub(super) final_loss: Option<f64>,
     pub(super) loss_curve: Vec<(u64, f64)>,
+    /// `[step, held-out loss]` of the run's model: every `--eval-every` steps and at the last,
+    /// one first-stage replica evaluates it through the pipeline and announces the result.
+    pub(super) val_curve: Vec<(u64, f64)>,
+    /// The held-out loss of the run's last step, if it was evaluated.
+    pub(super) held_out_loss: Option<f64>,
     /// `[seconds, tokens]` after each step: the tokens this stage had committed by then.
     pub(super) tokens_curve: Vec<(f64, u64)>,
     /// `[stage, sample]` of every microbatch (by its first sample) whose gradient this peer
@@ -137,6 +142,12 @@ impl RunReport {
             banned: tally.banned.clone(),
             final_loss: tally.final_loss(),
             loss_curve: tally.loss_curve.clone(),
+            val_curve: tally.val_curve.clone(),
+            held_out_loss: tally
+                .val_curve
+                .last()
+                .filter(|(step, _)| *step == config.max_steps)
+                .map(|(_, loss)| *loss),
             tokens_curve: tally.tokens_curve.clone(),
             committed_samples: tally.committed.clone(),
             tokens,

@@ -351,6 +351,7 @@ mod tests {
                 rows: 2,
                 sample: 77,
                 input,
+                held_out: false,
             })
         };
         // A first stage's tokens and targets come from one sample: nothing to mislabel.

@@ -155,6 +155,47 @@ pub struct RunConfig {
     pub data: DataSource,
     /// Seed of initialisation and data.
     pub seed: u64,
+    /// A model file the stages start from instead of the seed's initialisation.
+    pub init: Option<ModelRef>,
+    /// Held-out evaluation during the run.
+    pub evaluation: Evaluation,
+}
+
+/// A model file (safetensors) every peer that builds a stage fresh holds locally, identified
+/// by name and content hash as the data is: a peer with another file cannot join.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelRef {
+    /// File name, for messages.
+    pub name: String,
+    /// xxh3-64 of the file's bytes.
+    pub hash: u64,
+}
+
+/// Held-out evaluation of the swarm's model while it trains: every `every` steps one replica
+/// of the first stage sends `samples` held-out samples through the pipeline, forward only,
+/// and announces their mean loss (see `super::evaluation`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Evaluation {
+    /// Steps between evaluations (0: none).
+    pub every: u64,
+    /// Samples each evaluation.
+    pub samples: u32,
+    /// The held-out data, which the first and last stages read (None: samples of the
+    /// training data drawn with another seed).
+    pub data: Option<DataSource>,
+}
+
+/// Samples an evaluation may ask for at most.
+pub const MAX_EVALUATION_SAMPLES: u32 = 4096;
+
+impl Default for Evaluation {
+    fn default() -> Self {
+        Evaluation {
+            every: 0,
+            samples: 256,
+            data: None,
+        }
+    }
 }
 
 /// A run's id: the hash of its configuration.
@@ -212,6 +253,18 @@ impl RunConfig {
             return Err("max steps must be at least 1".into());
         }
         self.sync.validate()?;
+        let e = &self.evaluation;
+        if e.samples == 0 || e.samples > MAX_EVALUATION_SAMPLES {
+            return Err(format!(
+                "{} held-out samples (1 to {MAX_EVALUATION_SAMPLES})",
+                e.samples
+            ));
+        }
+        if let Some(data) = &e.data
+            && data.vocab() != self.data.vocab()
+        {
+            return Err("the held-out data's vocabulary is not the training data's".into());
+        }
         for c in [self.codecs.activations, self.codecs.activation_grads] {
             c.validate().map_err(|e| e.to_string())?;
         }
@@ -347,6 +400,8 @@ mod tests {
             codecs: TrafficCodecs::default(),
             data: DataSource::Synthetic,
             seed: 1,
+            init: None,
+            evaluation: Default::default(),
         }
     }
 

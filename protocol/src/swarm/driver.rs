@@ -241,6 +241,7 @@ impl Driver {
             rows,
             sample,
             input: Input::Tokens,
+            held_out: false,
         });
     }
 
@@ -266,6 +267,7 @@ impl Driver {
                     rows,
                     sample,
                     input: Input::Tokens,
+                    held_out: false,
                 }),
                 Expiry::Dropped(entry) => {
                     dropped = true;

@@ -27,6 +27,7 @@ pub fn serving(stage: u32) -> Announcement {
         incarnation: 1,
         seq: 1,
         accuses: Vec::new(),
+        held_out: None,
     }
 }
 

@@ -61,6 +61,9 @@ pub enum Job {
         sample: u64,
         /// Input.
         input: Input,
+        /// A held-out microbatch of an evaluation: `sample` indexes the held-out data, and
+        /// nothing is kept for a backward pass.
+        held_out: bool,
     },
     /// Backward pass; the parameter gradient stays pending until commit.
     Backward {
@@ -253,6 +256,9 @@ pub enum Event {
     },
     /// Every peer has taken the last step.
     Finished,
+    /// A held-out evaluation of the run's model, this peer's or announced by the first-stage
+    /// replica that ran it; each step once.
+    HeldOut(super::message::HeldOut),
     /// Something went wrong that the protocol handled.
     Warning(String),
     /// A peer broke the protocol (a message out of its role, out of range, or not finite):

@@ -82,6 +82,20 @@ pub struct Announcement {
     /// Replicas of its stage it accuses, on its own evidence (see [`super::bans`]); at most
     /// [`super::bans::MAX_ACCUSATIONS`].
     pub accuses: Vec<Accusation>,
+    /// The latest held-out evaluation of the run's model it knows of (see
+    /// [`super::evaluation`]).
+    pub held_out: Option<HeldOut>,
+}
+
+/// One held-out evaluation of the swarm's model.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HeldOut {
+    /// The step whose parameters were evaluated.
+    pub step: u64,
+    /// The mean loss per held-out sample.
+    pub loss: f32,
+    /// The first-stage replica that ran it.
+    pub by: PeerKey,
 }
 
 /// "This replica of my stage misbehaved in our averaging rounds."
@@ -312,6 +326,16 @@ pub enum Message {
     Forward(Forward),
     /// Gradients backward.
     Backward(Backward),
+    /// Activations of a held-out microbatch forward (an evaluation: no backward pass follows,
+    /// `sample` indexes the held-out data and `round` is the step evaluated).
+    Evaluate(Forward),
+    /// The last stage's loss on a held-out microbatch, to its evaluator.
+    Evaluated {
+        /// The attempt.
+        id: u64,
+        /// Its mean loss per sample.
+        loss: f32,
+    },
     /// The driver saw the whole backward pass: add this attempt's gradient to the step.
     Commit {
         /// The attempt.
@@ -423,7 +447,7 @@ impl Message {
     /// hop. None for other messages and for tensors whose header does not parse.
     pub fn boundary_codec(&self) -> Option<String> {
         let tensor = match self {
-            Message::Forward(f) => &f.activations,
+            Message::Forward(f) | Message::Evaluate(f) => &f.activations,
             Message::Backward(b) => &b.grad,
             _ => return None,
         };
@@ -453,7 +477,7 @@ impl Message {
     /// Which kind of traffic a message is, for byte accounting.
     pub fn traffic(&self) -> Traffic {
         match self {
-            Message::Forward(_) => Traffic::Activations,
+            Message::Forward(_) | Message::Evaluate(_) => Traffic::Activations,
             Message::Backward(_) => Traffic::ActivationGrads,
             Message::Round { .. } | Message::CatchUp { .. } => Traffic::Averaging,
             Message::StateChunk(_)

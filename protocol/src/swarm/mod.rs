@@ -57,6 +57,7 @@ pub mod bans;
 pub mod config;
 mod coordinator;
 mod driver;
+mod evaluation;
 mod exports;
 mod interface;
 pub mod ledger;
@@ -82,10 +83,10 @@ mod fixtures;
 mod tests;
 
 pub use config::{
-    DataSource, PAPER_OUTER_LR, PAPER_OUTER_MOMENTUM, RunConfig, RunId, StageCosts, SyncMode,
-    Timing,
+    DataSource, Evaluation, MAX_EVALUATION_SAMPLES, ModelRef, PAPER_OUTER_LR, PAPER_OUTER_MOMENTUM,
+    RunConfig, RunId, StageCosts, SyncMode, Timing,
 };
-pub use message::{Announcement, Envelope, MemberState, Message};
+pub use message::{Announcement, Envelope, HeldOut, MemberState, Message};
 pub use peer::{Action, ComputeDone, Event, Input, Job, Output, Peer, PeerStats, Resume};
 
 use serde::{Deserialize, Serialize};

@@ -15,6 +15,7 @@ use super::bans::{self, Ban, Bans};
 use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
 use super::coordinator::{Settings, StepCoordinator};
 use super::driver::Driver;
+use super::evaluation::{Evaluator, Relays};
 use super::exports::StateExports;
 pub use super::interface::{Action, ComputeDone, Event, Input, Job, Output, PeerStats, Resume};
 use super::links::Links;
@@ -29,6 +30,7 @@ use super::service::Service;
 use super::{PeerKey, SeededRng};
 use std::time::Duration;
 
+mod evaluation;
 mod microbatch;
 mod syncing;
 
@@ -69,6 +71,12 @@ pub struct Peer {
     role: Role,
     driver: Driver,
     server: StageServer,
+    /// The held-out evaluations this peer runs (first stage) and hears of.
+    evaluator: Evaluator,
+    /// Held-out microbatches this peer computes for evaluators.
+    relays: Relays,
+    /// The step of the last evaluation of its own this peer announced at once.
+    announced_held_out: Option<u64>,
     steps: StepCoordinator,
     exports: StateExports,
     bans: Bans,
@@ -115,6 +123,12 @@ impl Peer {
             role: Role::joining(&timing, now),
             driver: Driver::new(seed.rotate_left(29) ^ me.0 ^ 0xD121_7E55_A77E_4D15, now),
             server: StageServer::default(),
+            evaluator: Evaluator::new(
+                seed.rotate_left(41) ^ me.0 ^ 0x4E1D_0E7A_1CA7_E5ED,
+                resume.map_or(0, |r| r.step),
+            ),
+            relays: Relays::default(),
+            announced_held_out: None,
             steps: StepCoordinator::new(settings, config.codecs.averaging, now),
             exports: StateExports::new(timing.transfer_timeout, costs.state_chunk_bytes()),
             bans: Bans::new(timing.announce_every * ACCUSATION_ANNOUNCEMENTS),
@@ -238,9 +252,10 @@ impl Peer {
         self.out.jobs.throughput()
     }
 
-    /// Whether this peer's stage took the run's last step.
+    /// Whether this peer's stage took the run's last step (and, on the first stage, the run's
+    /// last held-out evaluation is known or was waited for): what it announces.
     pub fn is_finished(&self) -> bool {
-        self.steps.finished()
+        self.steps.finished() && !self.holds_finish()
     }
 
     /// Counters.
@@ -301,6 +316,8 @@ impl Peer {
             self.role.next_timeout(),
             self.driver.next_timeout(),
             self.server.next_timeout(),
+            self.evaluator.next_timeout(),
+            self.relays.next_timeout(),
             self.steps.next_timeout(),
             self.exports.next_timeout(),
         ]
@@ -329,7 +346,7 @@ impl Peer {
             step: self.steps.step(),
             round: self.steps.round(),
             params_hash: self.steps.params_hash(),
-            finished: self.steps.finished(),
+            finished: self.is_finished(),
             newcomer: self.steps.newcomer(stage, &self.members),
             loss: self.steps.last_loss(),
             memory: self.memory,
@@ -337,6 +354,7 @@ impl Peer {
             incarnation: self.incarnation,
             seq: self.announcements,
             accuses: self.bans.accusations(),
+            held_out: self.evaluator.latest(),
         }
     }
 
@@ -436,12 +454,15 @@ impl Peer {
             Message::Announce(a) => self.on_announce(from, None, a, now),
             Message::Forward(f) => self.on_forward(from, f, now),
             Message::Backward(b) => self.on_backward(from, b, now),
+            Message::Evaluate(f) => self.on_evaluate(from, f, now),
+            Message::Evaluated { id, loss } => self.on_evaluated(from, id, loss, now),
             Message::Commit { id } => self.server.on_commit(out, from, id),
             Message::Abort { id } => self.server.on_abort(out, from, id),
             Message::Reject { id } => {
                 // Any hop of the route may reject, and the driver knows only the first; a
                 // rejection from a peer that serves no stage is not a hop's.
                 match self.members.get(from).map(|m| m.announcement.stage) {
+                    Some(Some(_)) if self.evaluator.owns(id) => self.held_out_failed(id, now),
                     Some(Some(_)) => self.driver.fail(id, now),
                     Some(None) => {
                         out.violation(from, "a rejection from a peer that serves no stage")
@@ -620,6 +641,9 @@ impl Peer {
             }
         }
         self.server.expire(&mut self.out, now);
+        let plan = self.evaluation_plan();
+        self.evaluator.expire(&mut self.out, &plan, now);
+        self.relays.expire(now);
         let next_waiting = self.server.next_step_waiting_since(self.steps.round());
         let serving = self.role.serving();
         let resync =
@@ -657,6 +681,9 @@ impl Peer {
         let running = self.out.jobs.finished(now);
         match done {
             ComputeDone::Ready { hash } => self.on_ready(hash, now),
+            ComputeDone::Forward { id, output } if self.is_held_out(id) => {
+                self.on_held_out_done(id, output, now)
+            }
             ComputeDone::Forward { id, output } => self.on_forward_done(id, output, now),
             ComputeDone::Backward { id, grad } => self.on_backward_done(id, grad, now),
             ComputeDone::Gradient {
@@ -688,9 +715,13 @@ impl Peer {
                 }
             }
             ComputeDone::Failed { error } => {
+                self.out
+                    .event(Event::Warning(format!("compute job failed: {error}")));
                 let out = &mut self.out;
-                out.event(Event::Warning(format!("compute job failed: {error}")));
                 match running {
+                    Running::Microbatch(id) if self.evaluator.owns(id) || self.relays.holds(id) => {
+                        self.held_out_job_failed(id, now);
+                    }
                     Running::Microbatch(id) if self.driver.entry(id).is_some() => {
                         self.driver.failed_locally(id, now);
                     }
@@ -784,6 +815,9 @@ impl Peer {
         }
         if self.bans.is_banned(from) {
             return;
+        }
+        if let Some(held_out) = a.held_out {
+            self.heard_held_out(&a, held_out);
         }
         let Some(stage) = self.role.serving() else {
             return;

@@ -169,6 +169,7 @@ mod tests {
             rows: 1,
             sample: 0,
             input: Input::Tokens,
+            held_out: false,
         }
     }
 

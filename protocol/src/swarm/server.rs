@@ -136,6 +136,11 @@ impl StageServer {
         self.commits_queued
     }
 
+    /// Whether `attempt` is a microbatch this replica computes for a driver.
+    pub fn holds(&self, attempt: u64) -> bool {
+        self.hops.contains_key(&attempt)
+    }
+
     /// When the next record expires.
     pub fn next_timeout(&self) -> Option<Duration> {
         self.hops.values().map(|h| h.expires).min()
@@ -242,6 +247,7 @@ impl StageServer {
             rows: f.rows,
             sample: f.sample,
             input: Input::Activations(acts),
+            held_out: false,
         });
         Arrival::Running
     }

@@ -15,6 +15,8 @@ mod hostile;
 const MS: Duration = Duration::from_millis(1);
 const PARAMS: usize = 40;
 const ACTS_PER_ROW: usize = 6;
+/// The toy's held-out loss before its first step.
+const HELD_OUT_LOSS: f32 = 3.0;
 
 fn config(stages: u32, sync: SyncMode, max_steps: u64) -> RunConfig {
     RunConfig {
@@ -29,6 +31,8 @@ fn config(stages: u32, sync: SyncMode, max_steps: u64) -> RunConfig {
         codecs: TrafficCodecs::default(),
         data: DataSource::Synthetic,
         seed: 5,
+        init: None,
+        evaluation: Default::default(),
     }
 }
 
@@ -140,6 +144,7 @@ impl ToyStage {
                 rows,
                 sample,
                 input,
+                held_out,
             } => {
                 let sample = match input {
                     Input::Tokens => sample,
@@ -148,8 +153,18 @@ impl ToyStage {
                         .rev()
                         .fold(0, |id, x| (id << 8) | (*x as u64 - 256)),
                 };
-                self.sample_of.insert(id, sample);
-                self.version_of.insert(id, self.version);
+                if held_out && self.stage + 1 == stages {
+                    // A held-out loss that tells the parameters' version.
+                    let loss = HELD_OUT_LOSS + self.version as f32;
+                    return ComputeDone::Forward {
+                        id,
+                        output: Output::Loss(loss),
+                    };
+                }
+                if !held_out {
+                    self.sample_of.insert(id, sample);
+                    self.version_of.insert(id, self.version);
+                }
                 let n = rows as usize * ACTS_PER_ROW;
                 // The sample id travels in the activations a byte per value, each value of the
                 // same size (a receiver refuses activations far larger than usual).
@@ -259,6 +274,7 @@ struct Swarm {
     stages: u32,
     sync: SyncMode,
     max_steps: u64,
+    evaluation: Evaluation,
     /// A hostile peer overhearing everything and sending one forgery every `attack_every`.
     attacker: Option<hostile::Attacker>,
     attack_every: Duration,
@@ -296,6 +312,7 @@ impl Swarm {
             stages,
             sync,
             max_steps,
+            evaluation: Evaluation::default(),
             attacker: None,
             attack_every: Duration::MAX,
         }
@@ -337,6 +354,7 @@ impl Swarm {
     fn config(&self) -> RunConfig {
         let mut c = config(self.stages, self.sync, self.max_steps);
         c.codecs = codecs();
+        c.evaluation = self.evaluation.clone();
         c
     }
 
@@ -595,6 +613,59 @@ fn a_swarm_trains_to_the_last_step_with_equal_replicas() {
         committed >= 6 * 4,
         "{committed} microbatches committed at stage 0"
     );
+}
+
+#[test]
+fn held_out_evaluations_pass_through_the_pipeline_and_every_peer_hears_each_once() {
+    let mut s = Swarm::new(3, SyncMode::AllReduce, 20);
+    s.evaluation = Evaluation {
+        every: 6,
+        samples: 5,
+        data: None,
+    };
+    for k in 1..=6 {
+        s.add(k, 1);
+        let t = s.now + 200 * MS;
+        s.run_until(t);
+    }
+    // Past the last step, until every peer saw the run end (the first stage holds its end
+    // back for the last evaluation).
+    let ended = |s: &Swarm| s.events.iter().filter(|e| e.1 == Event::Finished).count();
+    while ended(&s) < 6 && s.now < Duration::from_secs(60) {
+        let next = s.now + MS;
+        s.run_until(next);
+    }
+    assert_eq!(ended(&s), 6);
+    // Steps 6, 12 and 18, and the last one: one first-stage replica evaluates a step for
+    // everyone, each peer hears of it once, and the loss follows the parameters (the toy's
+    // held-out loss counts the steps its replica took).
+    let mut by_step: BTreeMap<u64, Vec<(PeerKey, HeldOut)>> = BTreeMap::new();
+    for (k, e) in &s.events {
+        if let Event::HeldOut(h) = e {
+            by_step.entry(h.step).or_default().push((*k, *h));
+        }
+    }
+    assert_eq!(by_step.keys().copied().collect::<Vec<_>>(), [6, 12, 18, 20]);
+    let mut previous = HELD_OUT_LOSS;
+    for (step, heard) in &by_step {
+        let mut peers: Vec<PeerKey> = heard.iter().map(|h| h.0).collect();
+        peers.sort();
+        peers.dedup();
+        assert_eq!(peers.len(), 6, "step {step}: heard by {heard:?}");
+        assert_eq!(heard.len(), 6, "step {step}: heard twice: {heard:?}");
+        let first = heard[0].1;
+        assert!(heard.iter().all(|h| h.1 == first), "{heard:?}");
+        assert!(
+            first.loss > previous,
+            "step {step}: {} after {previous}",
+            first.loss
+        );
+        previous = first.loss;
+        let evaluator = s.peers[&first.by].1.stage;
+        assert_eq!(evaluator, 0, "evaluated by a replica of stage {evaluator}");
+    }
+    // Forward passes only: nothing of a held-out microbatch was committed.
+    s.assert_at_most_once();
 }
 
 #[test]

@@ -74,6 +74,13 @@ fn config(sync: SyncMode) -> RunConfig {
         },
         data: DataSource::Synthetic,
         seed: 5,
+        init: None,
+        // Evaluations run too, so that held-out traffic meets the forgeries.
+        evaluation: shoal_protocol::swarm::Evaluation {
+            every: 2,
+            samples: 4,
+            data: None,
+        },
     }
 }
 
@@ -109,6 +116,7 @@ fn announcement(stage: Option<u32>, state: MemberState, round: u64, seq: u64) ->
         incarnation: 1,
         seq,
         accuses: Vec::new(),
+        held_out: None,
     }
 }
 
@@ -266,17 +274,29 @@ impl Exercise {
                     b.u8() as u64,
                 )
             }),
-            1 => Message::Forward(Forward {
+            1 => {
+                let f = Forward {
+                    id: b.u64(),
+                    sample: b.u64(),
+                    round: small(b, round),
+                    rows: (b.u8() % 4) as u32,
+                    route: (0..(b.u8() % 4))
+                        .map(|_| PeerKey(b.u8() as u64 % 8))
+                        .chain([from])
+                        .collect(),
+                    activations: tensor(&vec![0.5; n], poison),
+                };
+                // A third are held-out microbatches of an evaluation.
+                if b.u8().is_multiple_of(3) {
+                    Message::Evaluate(f)
+                } else {
+                    Message::Forward(f)
+                }
+            }
+            2 if b.u8().is_multiple_of(4) => Message::Evaluated {
                 id: b.u64(),
-                sample: b.u64(),
-                round: small(b, round),
-                rows: (b.u8() % 4) as u32,
-                route: (0..(b.u8() % 4))
-                    .map(|_| PeerKey(b.u8() as u64 % 8))
-                    .chain([from])
-                    .collect(),
-                activations: tensor(&vec![0.5; n], poison),
-            }),
+                loss: [1.0, f32::NAN, -1.0, 1e9][b.u8() as usize % 4],
+            },
             2 => Message::Backward(Backward {
                 id: b.u64(),
                 route: vec![ME, from],

@@ -64,7 +64,9 @@ impl Peer {
         let Some(stage) = self.role.serving() else {
             return false;
         };
-        if !(self.steps.finished() && self.steps.stage_agrees(stage, &self.members)) {
+        if !(self.steps.finished() && self.steps.stage_agrees(stage, &self.members))
+            || self.holds_finish()
+        {
             return false;
         }
         let vouched = self.members.vouched(stage);
@@ -96,6 +98,7 @@ impl Peer {
     /// Starts what the step needs, if this peer drives.
     pub(super) fn pump(&mut self, now: Duration) {
         self.driver.rest();
+        self.evaluate(now);
         if self.everyone_finished() {
             if !self.finish_reported {
                 self.finish_reported = true;
@@ -326,7 +329,7 @@ impl Peer {
 
     /// The codec to send `values` of a boundary tensor to `to` in: `hop`'s light codec while
     /// the link to `to` keeps pace with this peer's device, its strong one when it does not.
-    fn hop_codec(&mut self, to: PeerKey, hop: HopCodec, values: usize) -> Codec {
+    pub(super) fn hop_codec(&mut self, to: PeerKey, hop: HopCodec, values: usize) -> Codec {
         let per_microbatch = self.per_microbatch();
         self.links.choose(to, hop, values, per_microbatch)
     }

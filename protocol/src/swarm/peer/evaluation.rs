@@ -1,0 +1,219 @@
+//! The held-out evaluation through a peer's parts (see [`crate::swarm::evaluation`]): a
+//! first-stage replica starting the evaluation it is due to run, a held-out microbatch
+//! passed on to the next stage or answered with its loss, and the results heard of.
+
+use super::Peer;
+use crate::swarm::PeerKey;
+use crate::swarm::evaluation::{Evaluator, Plan};
+use crate::swarm::interface::Output;
+use crate::swarm::message::{Announcement, Forward, HeldOut, MemberState, Message};
+use std::time::Duration;
+
+impl Peer {
+    pub(super) fn evaluation_plan(&self) -> Plan {
+        let e = &self.config.evaluation;
+        Plan {
+            every: e.every,
+            max_steps: self.config.max_steps,
+            samples: e.samples,
+            rows: self.config.microbatch,
+            deadline: self.driver.microbatch_deadline(&self.timing),
+            max_attempts: self.timing.max_attempts,
+        }
+    }
+
+    /// Whether this peer holds back its `finished` announcement for the run's last
+    /// evaluation (see [`Evaluator::holds_finish`]).
+    pub(super) fn holds_finish(&self) -> bool {
+        self.is_driver() && self.evaluator.holds_finish(&self.evaluation_plan())
+    }
+
+    /// Starts the evaluation due at this step if this replica runs it, and times the wait
+    /// for the last one.
+    pub(super) fn evaluate(&mut self, now: Duration) {
+        if self.config.evaluation.every == 0 {
+            return;
+        }
+        if !self.is_driver() {
+            // Moved off the first stage: its held-out microbatches can no longer start here.
+            self.evaluator.abandon();
+            return;
+        }
+        let plan = self.evaluation_plan();
+        if self.steps.finished() {
+            let held = self.evaluator.holds_finish(&plan);
+            self.evaluator.watch_final(&mut self.out, &plan, now);
+            if held && !self.evaluator.holds_finish(&plan) {
+                // The wait is over: the other stages learn that this one finished.
+                self.announce();
+            }
+        }
+        if !self.pipeline_ready() {
+            return;
+        }
+        let replicas: Vec<PeerKey> = self
+            .members
+            .iter()
+            .filter(|(k, m)| {
+                m.announcement.stage == Some(0)
+                    && m.announcement.state == MemberState::Serving
+                    && !self.bans.is_banned(**k)
+            })
+            .map(|(k, _)| *k)
+            .chain([self.me])
+            .collect();
+        let step = self.steps.step();
+        self.evaluator
+            .maybe_start(&mut self.out, self.me, step, replicas, &plan, now);
+    }
+
+    /// A held-out microbatch arrived from the previous stage.
+    pub(super) fn on_evaluate(&mut self, from: PeerKey, f: Forward, now: Duration) {
+        let at = self.serving();
+        let server = &self.server;
+        self.relays.on_evaluate(
+            &mut self.out,
+            from,
+            f,
+            &at,
+            |id| server.holds(id),
+            &self.server.activation_norms,
+            now,
+        );
+    }
+
+    /// The last stage's loss on one of this peer's held-out microbatches.
+    pub(super) fn on_evaluated(&mut self, from: PeerKey, id: u64, loss: f32, now: Duration) {
+        let last = self.config.stages - 1;
+        match self.members.get(from).map(|m| m.announcement.stage) {
+            Some(Some(stage)) if stage == last => {}
+            Some(None) => {
+                self.out
+                    .violation(from, "a held-out loss from a peer that serves no stage");
+                return;
+            }
+            // Moved, or not heard of yet: its attempt times out instead.
+            _ => return,
+        }
+        let plan = self.evaluation_plan();
+        let me = self.me;
+        if !self
+            .evaluator
+            .on_loss(&mut self.out, me, id, loss, &plan, now)
+        {
+            self.out
+                .violation(from, "a held-out loss no model gives (not finite or huge)");
+        }
+        self.announce_result_if_new();
+    }
+
+    /// A held-out microbatch's route failed; it is retried if it is this peer's.
+    pub(super) fn held_out_failed(&mut self, id: u64, now: Duration) {
+        let plan = self.evaluation_plan();
+        self.evaluator.fail(&mut self.out, id, &plan, now);
+    }
+
+    /// Whether `id` is a held-out microbatch, this peer's or relayed.
+    pub(super) fn is_held_out(&self, id: u64) -> bool {
+        self.evaluator.owns(id) || self.relays.holds(id)
+    }
+
+    /// The forward pass of a held-out microbatch is done: its activations go on to the next
+    /// stage, or its loss to its evaluator.
+    pub(super) fn on_held_out_done(&mut self, id: u64, output: Output, now: Duration) {
+        let plan = self.evaluation_plan();
+        let own = self.evaluator.header(id, &plan).map(|(sample, rows)| {
+            let step = self.evaluator.step().unwrap_or(0);
+            let f = Forward {
+                id,
+                sample,
+                round: step,
+                rows,
+                route: vec![self.me],
+                activations: Vec::new(),
+            };
+            (f, self.me)
+        });
+        let Some((mut f, evaluator)) = own.or_else(|| self.relays.done(self.me, id)) else {
+            return;
+        };
+        let mine = evaluator == self.me;
+        match output {
+            Output::Loss(loss) if mine => {
+                // A pipeline of one stage.
+                let me = self.me;
+                self.evaluator
+                    .on_loss(&mut self.out, me, id, loss, &plan, now);
+                self.announce_result_if_new();
+            }
+            Output::Loss(loss) => self.out.send(evaluator, Message::Evaluated { id, loss }),
+            Output::Activations(activations) => {
+                let next_stage = self.role.stage().unwrap_or(0) + 1;
+                let service = &self.service;
+                let next =
+                    self.members
+                        .route(next_stage, None, self.routing, &mut self.dealer, |k| {
+                            service.observed(k)
+                        });
+                let encoded = next.and_then(|to| {
+                    let codec =
+                        self.hop_codec(to, self.config.codecs.activations, activations.len());
+                    self.server.encode(&mut self.out, codec, &activations)
+                });
+                match (next, encoded) {
+                    (Some(next), Some(activations)) => {
+                        f.activations = activations;
+                        self.out.send(next, Message::Evaluate(f));
+                    }
+                    _ if mine => self.held_out_failed(id, now),
+                    _ => self.out.send(evaluator, Message::Reject { id }),
+                }
+            }
+        }
+    }
+
+    /// A held-out forward job failed here.
+    pub(super) fn held_out_job_failed(&mut self, id: u64, now: Duration) {
+        if self.evaluator.owns(id) {
+            self.held_out_failed(id, now);
+        } else if let Some((_, evaluator)) = self.relays.done(self.me, id) {
+            self.out.send(evaluator, Message::Reject { id });
+        }
+    }
+
+    /// An evaluation a first-stage replica announced with `announced` (what a serving
+    /// replica says of itself). Only one of a step the announcer reached counts: a result
+    /// for a later step would hide the real ones until then.
+    pub(super) fn heard_held_out(&mut self, announced: &Announcement, held_out: HeldOut) {
+        let plan = self.evaluation_plan();
+        if announced.stage == Some(0)
+            && announced.state == MemberState::Serving
+            && held_out.step <= announced.step
+            && Evaluator::plausible(&held_out, &plan)
+            && self.evaluator.learn(&mut self.out, held_out)
+            && held_out.step >= plan.max_steps
+            && self.is_driver()
+        {
+            // The last one: the wait for it is over.
+            self.announce();
+        }
+    }
+
+    /// This peer's evaluation just completed: everyone hears of it at once (the other
+    /// first-stage replicas may be waiting for it to finish).
+    fn announce_result_if_new(&mut self) {
+        if self.evaluator.step().is_none()
+            && self
+                .evaluator
+                .latest()
+                .is_some_and(|l| l.by == self.me && !self.evaluation_announced(l.step))
+        {
+            self.announced_held_out = self.evaluator.latest().map(|l| l.step);
+            self.announce();
+        }
+    }
+
+    fn evaluation_announced(&self, step: u64) -> bool {
+        self.announced_held_out.is_some_and(|s| s >= step)
+    }
+}
