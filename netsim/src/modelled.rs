@@ -181,7 +181,11 @@ impl ModelledStage {
                 ComputeDone::Ready { hash }
             }
             Job::Forward {
-                id, rows, input, ..
+                id,
+                rows,
+                input,
+                held_out,
+                ..
             } => {
                 let last = self.serving()?.stage + 1 == self.config.stages;
                 if let Input::Activations(acts) = &input {
@@ -199,7 +203,10 @@ impl ModelledStage {
                 } else {
                     Output::Activations(self.random(self.boundary_values(rows)))
                 };
-                self.serving()?.forwarded.insert(id, rows);
+                // A held-out pass has no backward pass to wait for.
+                if !held_out {
+                    self.serving()?.forwarded.insert(id, rows);
+                }
                 ComputeDone::Forward { id, output }
             }
             Job::Backward { id, grad, rows } => {

@@ -273,8 +273,8 @@ pub struct RunArgs {
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Held-out data the swarm's model is evaluated on (e.g. the `_val.bin` shard of `shoal
-    /// data prepare`; default: samples of --data drawn apart from training's); every peer
-    /// needs the same file, as --data.
+    /// data prepare`): needed when --data is a file, whose windows are the same whatever the
+    /// seed (the synthetic corpus draws fresh samples); every peer needs the same file.
     #[arg(long)]
     pub val_data: Option<PathBuf>,
     /// Evaluate the swarm's model on held-out data every N steps and at the last (0: never):
@@ -582,7 +582,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Held-out data to evaluate on (e.g. the `_val.bin` shard of `shoal data prepare`;
-    /// default: samples of --data drawn apart from training's).
+    /// default: samples of the synthetic corpus drawn apart from training's, or --data's own
+    /// windows, which are not held out).
     #[arg(long)]
     pub val_data: Option<PathBuf>,
     /// Evaluate on the held-out data every N steps too (0: only at the end); the report's

@@ -169,9 +169,15 @@ impl ModelFile {
     pub fn open(path: &Path) -> anyhow::Result<ModelFile> {
         let bytes =
             std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let file = SafeTensors::deserialize(&bytes)
+        Self::parse(path, &bytes)
+    }
+
+    /// [`ModelFile::open`] of the file's `bytes`, read from `path` (where `config.json` is
+    /// looked for, and what errors name).
+    pub fn parse(path: &Path, bytes: &[u8]) -> anyhow::Result<ModelFile> {
+        let file = SafeTensors::deserialize(bytes)
             .with_context(|| format!("{} is not a safetensors file", path.display()))?;
-        let (_, meta) = SafeTensors::read_metadata(&bytes)?;
+        let (_, meta) = SafeTensors::read_metadata(bytes)?;
         let config_json: serde_json::Value =
             match meta.metadata().as_ref().and_then(|m| m.get("shoal_config")) {
                 Some(text) => serde_json::from_str(text)?,

@@ -17,8 +17,8 @@ use shoal_compute::StageSpec;
 use shoal_node::net::{self, GossipCheck, NetConfig, NodeEvent, NodeHandle, identity};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
-    Action, DataSource, Envelope, Evaluation, Event, Job, Message, Peer, PeerKey, Resume,
-    RunConfig, RunId, Timing,
+    Action, DataSource, Envelope, Evaluation, Event, Job, MAX_EVALUATION_SAMPLES, Message, Peer,
+    PeerKey, Resume, RunConfig, RunId, Timing,
 };
 use shoal_protocol::{FrameKind, TrafficCodecs};
 use shoal_worker::{StageWorker, model_of, stage_costs};
@@ -54,9 +54,20 @@ fn config_from_args(args: &RunArgs) -> anyhow::Result<RunConfig> {
         None => DataSource::Synthetic,
         Some(path) => run_files::data_source(path)?,
     };
+    if args.val_data.is_some() && args.eval_every == 0 {
+        bail!("--val-data is read only with --eval-every N (how often the run evaluates)");
+    }
     let evaluation = Evaluation {
         every: args.eval_every,
-        samples: u32::try_from(args.eval_samples).unwrap_or(u32::MAX),
+        samples: u32::try_from(args.eval_samples)
+            .ok()
+            .filter(|n| *n <= MAX_EVALUATION_SAMPLES)
+            .with_context(|| {
+                format!(
+                    "--eval-samples {}: at most {MAX_EVALUATION_SAMPLES}",
+                    args.eval_samples
+                )
+            })?,
         data: args
             .val_data
             .as_deref()

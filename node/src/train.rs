@@ -363,10 +363,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     );
     println!(
         "      held-out loss {held_out_loss:.4} ({HELD_OUT_SAMPLES} {} samples)",
-        if args.val_data.is_some() {
-            "--val-data"
-        } else {
-            "unseen"
+        match (&args.val_data, unigram) {
+            (Some(_), _) => "--val-data",
+            (None, Some(_)) => "unseen",
+            // A text's windows are the same whatever the seed.
+            (None, None) => "training (not held out: --val-data names held-out text)",
         }
     );
     if let (Some(floor), Some(unigram)) = (loss_floor, unigram) {

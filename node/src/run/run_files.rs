@@ -68,14 +68,16 @@ pub(super) fn local_corpus(
 
 /// The run's reference to the model file at `path`, whose shape must be `model`'s.
 pub(super) fn model_ref(path: &Path, model: &ModelConfig) -> anyhow::Result<ModelRef> {
-    let file = open_model(path, model)?;
-    drop(file);
-    let (name, hash) = name_and_hash(path, &read(path)?);
+    let bytes = read(path)?;
+    open_model(path, &bytes, model)?;
+    let (name, hash) = name_and_hash(path, &bytes);
     Ok(ModelRef { name, hash })
 }
 
-fn open_model(path: &Path, model: &ModelConfig) -> anyhow::Result<ModelFile> {
-    let file = ModelFile::open(path).with_context(|| format!("--init {}", path.display()))?;
+/// The model file's tensors from `bytes` (read from `path`), whose shape must be `model`'s.
+fn open_model(path: &Path, bytes: &[u8], model: &ModelConfig) -> anyhow::Result<ModelFile> {
+    let file =
+        ModelFile::parse(path, bytes).with_context(|| format!("--init {}", path.display()))?;
     if file.config != *model {
         bail!(
             "--init {}: the file holds a model of {} layers of width {} and vocabulary {}; the \
@@ -112,13 +114,16 @@ pub(super) fn initial_params(
     let Some(path) = path else {
         bail!("this run starts from the model {name}: pass the same file with --init");
     };
-    if xxhash_rust::xxh3::xxh3_64(&read(path)?) != *hash {
+    let bytes = read(path)?;
+    if xxhash_rust::xxh3::xxh3_64(&bytes) != *hash {
         bail!(
             "{} is not the run's model file {name} (--init)",
             path.display()
         );
     }
-    let file = open_model(path, model)?;
+    // Every stage's tensors stay in host memory while the peer runs: any stage may be built
+    // fresh here later.
+    let file = open_model(path, &bytes, model)?;
     Ok(Some(Box::new(move |replica| {
         file.stage_params(replica.stage())
             .map_err(|e| format!("{e:#}"))

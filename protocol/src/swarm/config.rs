@@ -260,10 +260,25 @@ impl RunConfig {
                 e.samples
             ));
         }
-        if let Some(data) = &e.data
-            && data.vocab() != self.data.vocab()
-        {
-            return Err("the held-out data's vocabulary is not the training data's".into());
+        match &e.data {
+            // Held-out samples of the synthetic corpus are drawn with another seed; named as
+            // the held-out data, it would be the training samples themselves.
+            Some(DataSource::Synthetic) => {
+                return Err("the held-out data is a file (the synthetic corpus is not one)".into());
+            }
+            Some(data) if data.vocab() != self.data.vocab() => {
+                return Err("the held-out data's vocabulary is not the training data's".into());
+            }
+            _ => {}
+        }
+        // A file's windows are the same whatever the seed: held-out text must be a file of
+        // its own.
+        if e.every > 0 && e.data.is_none() && self.data != DataSource::Synthetic {
+            return Err(
+                "held-out evaluation of a run on a data file needs held-out data of its own \
+                 (e.g. the _val.bin shard of `shoal data prepare`)"
+                    .into(),
+            );
         }
         for c in [self.codecs.activations, self.codecs.activation_grads] {
             c.validate().map_err(|e| e.to_string())?;

@@ -11,9 +11,12 @@
 //!
 //! Each replica on the way evaluates with the parameters it holds when the microbatch passes
 //! (in allreduce mode the step evaluated or the next: an evaluation is never held for a step,
-//! it must not slow training down). Nothing of an evaluation is kept for a backward pass, and
-//! a replica relays at most [`MAX_RELAYED`] at once. The loss is the last stage's word: it is
-//! reported, never acted on.
+//! it must not slow training down). Nothing of an evaluation is kept for a backward pass; a
+//! replica relays only a first-stage replica's held-out microbatches of a step the run
+//! evaluates, at most a window of each evaluator and [`MAX_RELAYED`] at once, each attempt
+//! once. The loss is the last stage's word and the mean the evaluator's: a result counts only
+//! from the replica that ranks first for its step in the hearer's view, and it is reported,
+//! never acted on.
 
 use super::interface::{Event, Input, Job};
 use super::message::{Forward, HeldOut, Message, RoundKey};
@@ -29,6 +32,9 @@ const WINDOW: usize = 8;
 
 /// Held-out microbatches a replica relays at once, for every evaluator together.
 pub(super) const MAX_RELAYED: usize = 64;
+
+/// Attempt ids of relayed held-out microbatches remembered at most (a replay is refused).
+const MAX_REMEMBERED: usize = 4096;
 
 /// A loss no honest last stage reports (the uniform guess over 2^32 tokens is 22).
 const MAX_LOSS: f32 = 100.0;
@@ -169,8 +175,20 @@ impl Evaluator {
         plan: &Plan,
         now: Duration,
     ) {
-        if self.under_way.is_some() || step <= self.settled || !plan.evaluates(step) {
+        if step <= self.settled || !plan.evaluates(step) {
             return;
+        }
+        // The last evaluation goes before one still under way: the run ends after it.
+        match &self.under_way {
+            Some(u) if step >= plan.max_steps => {
+                out.event(Event::Warning(format!(
+                    "held-out evaluation of step {} given up for the run's last",
+                    u.step
+                )));
+                self.under_way = None;
+            }
+            Some(_) => return,
+            None => {}
         }
         self.settled = step;
         if evaluator_key(step).leader(replicas) != Some(me) {
@@ -211,6 +229,8 @@ impl Evaluator {
         now: Duration,
     ) -> bool {
         if !(loss.is_finite() && (0.0..=MAX_LOSS).contains(&loss)) {
+            // Tried again elsewhere at once rather than at its deadline.
+            self.fail(out, attempt, plan, now);
             return false;
         }
         let Some(u) = self.under_way.as_mut() else {
@@ -322,6 +342,7 @@ impl Evaluator {
     pub fn plausible(held_out: &HeldOut, plan: &Plan) -> bool {
         held_out.loss.is_finite()
             && (0.0..=MAX_LOSS).contains(&held_out.loss)
+            && held_out.step <= plan.max_steps
             && plan.evaluates(held_out.step)
     }
 
@@ -340,6 +361,7 @@ impl Evaluator {
     /// has taken the last step.
     pub fn watch_final(&mut self, out: &mut Outbox, plan: &Plan, now: Duration) {
         if !self.holds_finish(plan) {
+            self.final_wait = None;
             return;
         }
         let until = *self.final_wait.get_or_insert(now + plan.final_wait());
@@ -409,6 +431,17 @@ struct Relayed {
 #[derive(Debug, Default)]
 pub(super) struct Relays {
     relayed: BTreeMap<u64, Relayed>,
+    /// Attempts relayed lately, until their record would have expired: a replayed one is
+    /// refused.
+    done: BTreeMap<u64, Duration>,
+}
+
+/// Whom a held-out microbatch passed, as the relay checks them.
+pub(super) struct Sender {
+    /// Whether the route's first peer (its evaluator) is a replica of the first stage.
+    pub evaluator_is_a_driver: bool,
+    /// Whether the sender is a replica of the stage before this one.
+    pub sender_serves_previous: bool,
 }
 
 impl Relays {
@@ -427,17 +460,25 @@ impl Relays {
         from: PeerKey,
         f: Forward,
         at: &Serving,
+        who: &Sender,
+        plan: &Plan,
         training: impl Fn(u64) -> bool,
         activation_norms: &NormReference,
         now: Duration,
     ) {
         let here = f.route.len() as u32;
         let evaluator = f.route.first().copied().unwrap_or(from);
+        let samples = u64::from(f.rows).saturating_add(f.sample);
         let forged = if f.route.last() != Some(&from) {
             Some("a held-out forward pass whose route does not end with its sender")
-        } else if f.rows == 0 || f.rows > at.microbatch {
-            Some("a held-out forward pass of a size outside the run's")
-        } else if self.relayed.contains_key(&f.id) || training(f.id) {
+        } else if f.rows == 0 || f.rows > at.microbatch || samples > u64::from(plan.samples) {
+            Some("a held-out forward pass of a size or samples outside the run's")
+        } else if !plan.evaluates(f.round) {
+            Some("a held-out forward pass of a step the run does not evaluate")
+        } else if self.relayed.contains_key(&f.id)
+            || self.done.contains_key(&f.id)
+            || training(f.id)
+        {
             Some("a held-out forward pass repeating an attempt id")
         } else if !at.activation_codecs.allows(&f.activations) {
             Some("held-out activations in a codec the run does not allow")
@@ -447,7 +488,23 @@ impl Relays {
         if let Some(what) = forged {
             out.violation(from, what);
         }
-        if forged.is_some() || at.stage != Some(here) || self.relayed.len() >= MAX_RELAYED {
+        // Not ours to judge as lies (a view a little old), but not worked for either: only
+        // a first-stage replica's evaluations, passed on by the stage before, each evaluator
+        // its window at a time.
+        let busy = self.relayed.len() >= MAX_RELAYED
+            || self.done.len() >= MAX_REMEMBERED
+            || self
+                .relayed
+                .values()
+                .filter(|r| r.route.first() == Some(&evaluator))
+                .count()
+                >= WINDOW;
+        if forged.is_some()
+            || at.stage != Some(here)
+            || !who.evaluator_is_a_driver
+            || !who.sender_serves_previous
+            || busy
+        {
             out.send(evaluator, Message::Reject { id: f.id });
             return;
         }
@@ -492,6 +549,7 @@ impl Relays {
     /// either way: nothing comes back through here.
     pub fn done(&mut self, me: PeerKey, attempt: u64) -> Option<(Forward, PeerKey)> {
         let r = self.relayed.remove(&attempt)?;
+        self.done.insert(attempt, r.expires);
         let evaluator = *r.route.first()?;
         let mut route = r.route;
         route.push(me);
@@ -511,11 +569,16 @@ impl Relays {
     /// Forgets records whose forward pass never ran (the stage was replaced meanwhile).
     pub fn expire(&mut self, now: Duration) {
         self.relayed.retain(|_, r| r.expires > now);
+        self.done.retain(|_, expires| *expires > now);
     }
 
     /// When the next record expires.
     pub fn next_timeout(&self) -> Option<Duration> {
-        self.relayed.values().map(|r| r.expires).min()
+        self.relayed
+            .values()
+            .map(|r| r.expires)
+            .chain(self.done.values().copied())
+            .min()
     }
 }
 

@@ -719,9 +719,7 @@ impl Peer {
                     .event(Event::Warning(format!("compute job failed: {error}")));
                 let out = &mut self.out;
                 match running {
-                    Running::Microbatch(id) if self.evaluator.owns(id) || self.relays.holds(id) => {
-                        self.held_out_job_failed(id, now);
-                    }
+                    Running::HeldOut(id) => self.held_out_job_failed(id, now),
                     Running::Microbatch(id) if self.driver.entry(id).is_some() => {
                         self.driver.failed_locally(id, now);
                     }
@@ -817,7 +815,7 @@ impl Peer {
             return;
         }
         if let Some(held_out) = a.held_out {
-            self.heard_held_out(&a, held_out);
+            self.heard_held_out(from, &a, held_out);
         }
         let Some(stage) = self.role.serving() else {
             return;

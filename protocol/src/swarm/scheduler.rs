@@ -14,6 +14,9 @@ use std::time::Duration;
 pub(super) enum Running {
     /// A forward or backward pass of this attempt.
     Microbatch(u64),
+    /// A held-out forward pass of this attempt (an evaluation): it commits nothing, so its
+    /// time is not the throughput's.
+    HeldOut(u64),
     /// The commit of this attempt's gradient.
     Commit(u64),
     /// An export of the stage's state.
@@ -69,6 +72,9 @@ impl Scheduler {
         }
         let job = self.queues.iter_mut().find_map(VecDeque::pop_front)?;
         let running = match &job {
+            Job::Forward {
+                id, held_out: true, ..
+            } => Running::HeldOut(*id),
             Job::Forward { id, .. } | Job::Backward { id, .. } => Running::Microbatch(*id),
             Job::Commit { id } => Running::Commit(*id),
             Job::Export { .. } => Running::Export,

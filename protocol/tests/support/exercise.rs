@@ -9,8 +9,8 @@ use shoal_protocol::swarm::message::{
     Accusation, Backward, Forward, Misconduct, RoundKey, RoundMsg, StateChunk,
 };
 use shoal_protocol::swarm::{
-    Action, Announcement, ComputeDone, DataSource, Job, MemberState, Message, Output, Peer,
-    PeerKey, RunConfig, StageCosts, SyncMode, Timing,
+    Action, Announcement, ComputeDone, DataSource, HeldOut, Job, MemberState, Message, Output,
+    Peer, PeerKey, RunConfig, StageCosts, SyncMode, Timing,
 };
 use shoal_protocol::{Codec, HopCodec, TrafficCodecs};
 use std::collections::VecDeque;
@@ -254,6 +254,12 @@ impl Exercise {
                 params_hash: Some(b.u64()),
                 finished: b.u8().is_multiple_of(8),
                 memory: b.u64(),
+                // A held-out result it may not have run, of any step.
+                held_out: b.u8().is_multiple_of(3).then(|| HeldOut {
+                    step: [2, 4, 1_000, u64::MAX][b.u8() as usize % 4],
+                    loss: [2.5, f32::NAN, -3.0][b.u8() as usize % 3],
+                    by: [from, PeerKey(b.u8() as u64 % 8)][b.u8() as usize % 2],
+                }),
                 // Up to 20 accusations of small keys (the peer itself among them): more
                 // than an announcement may carry, and enough to reach a stage's majority.
                 accuses: (0..(b.u8() % 21))

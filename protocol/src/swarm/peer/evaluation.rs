@@ -4,8 +4,10 @@
 
 use super::Peer;
 use crate::swarm::PeerKey;
-use crate::swarm::evaluation::{Evaluator, Plan};
+use crate::swarm::SyncMode;
+use crate::swarm::evaluation::{Evaluator, Plan, Sender, evaluator_key};
 use crate::swarm::interface::Output;
+use crate::swarm::membership::Standing;
 use crate::swarm::message::{Announcement, Forward, HeldOut, MemberState, Message};
 use std::time::Duration;
 
@@ -51,31 +53,56 @@ impl Peer {
         if !self.pipeline_ready() {
             return;
         }
-        let replicas: Vec<PeerKey> = self
-            .members
-            .iter()
-            .filter(|(k, m)| {
-                m.announcement.stage == Some(0)
-                    && m.announcement.state == MemberState::Serving
-                    && !self.bans.is_banned(**k)
-            })
-            .map(|(k, _)| *k)
-            .chain([self.me])
-            .collect();
-        let step = self.steps.step();
+        let step = self.evaluation_step();
+        let candidates = self.evaluators();
         self.evaluator
-            .maybe_start(&mut self.out, self.me, step, replicas, &plan, now);
+            .maybe_start(&mut self.out, self.me, step, candidates, &plan, now);
+    }
+
+    /// The step the model is at for an evaluation: the steps taken in allreduce mode; in
+    /// DiLoCo, the steps of the outer rounds applied (a replica's local steps in between are
+    /// its own), the run's last once it is finished.
+    pub(super) fn evaluation_step(&self) -> u64 {
+        match self.config.sync {
+            SyncMode::AllReduce => self.steps.step(),
+            SyncMode::DiLoCo { .. } if self.steps.finished() => self.config.max_steps,
+            SyncMode::DiLoCo { h, .. } => self
+                .steps
+                .round()
+                .saturating_mul(u64::from(h))
+                .min(self.config.max_steps),
+        }
+    }
+
+    /// The first-stage replicas one of which runs each evaluation ([`evaluator_key`]): those
+    /// this peer vouches for (an identity that never worked ranks nowhere), itself included.
+    fn evaluators(&self) -> Vec<PeerKey> {
+        let mut replicas = self.members.vouched_replicas(0);
+        if self.is_driver() {
+            replicas.push(self.me);
+        }
+        replicas
     }
 
     /// A held-out microbatch arrived from the previous stage.
     pub(super) fn on_evaluate(&mut self, from: PeerKey, f: Forward, now: Duration) {
         let at = self.serving();
+        let here = f.route.len() as u32;
+        let evaluator = f.route.first().copied().unwrap_or(from);
+        let who = Sender {
+            evaluator_is_a_driver: self.members.standing(evaluator, 0) == Standing::Replica,
+            sender_serves_previous: here > 0
+                && self.members.standing(from, here - 1) == Standing::Replica,
+        };
+        let plan = self.evaluation_plan();
         let server = &self.server;
         self.relays.on_evaluate(
             &mut self.out,
             from,
             f,
             &at,
+            &who,
+            &plan,
             |id| server.holds(id),
             &self.server.activation_norms,
             now,
@@ -184,12 +211,22 @@ impl Peer {
     /// An evaluation a first-stage replica announced with `announced` (what a serving
     /// replica says of itself). Only one of a step the announcer reached counts: a result
     /// for a later step would hide the real ones until then.
-    pub(super) fn heard_held_out(&mut self, announced: &Announcement, held_out: HeldOut) {
+    pub(super) fn heard_held_out(
+        &mut self,
+        from: PeerKey,
+        announced: &Announcement,
+        held_out: HeldOut,
+    ) {
         let plan = self.evaluation_plan();
-        if announced.stage == Some(0)
+        // Its own result, of a step it ran: the one that ranks first for the step among the
+        // first-stage replicas this peer vouches for (another would be a forgery, or a view
+        // that differs, whose result is missed rather than risked).
+        if held_out.by == from
+            && announced.stage == Some(0)
             && announced.state == MemberState::Serving
             && held_out.step <= announced.step
             && Evaluator::plausible(&held_out, &plan)
+            && evaluator_key(held_out.step).leader(self.evaluators()) == Some(from)
             && self.evaluator.learn(&mut self.out, held_out)
             && held_out.step >= plan.max_steps
             && self.is_driver()

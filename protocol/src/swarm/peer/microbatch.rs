@@ -149,6 +149,15 @@ impl Peer {
     }
 
     pub(super) fn on_forward(&mut self, from: PeerKey, f: Forward, now: Duration) {
+        if self.relays.holds(f.id) {
+            // The id of a held-out microbatch relayed here: its result would be taken for
+            // the other's.
+            self.out
+                .violation(from, "a forward pass repeating an attempt id");
+            let driver = f.route.first().copied().unwrap_or(from);
+            self.out.send(driver, Message::Reject { id: f.id });
+            return;
+        }
         let at = self.serving();
         if self.server.on_forward(&mut self.out, from, f, &at, now) == Arrival::Held {
             self.maybe_begin_round(now);

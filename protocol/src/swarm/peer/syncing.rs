@@ -155,6 +155,9 @@ impl Peer {
         self.steps.abandon(&mut self.out);
         self.out.jobs.forget_throughput();
         self.driver.abandon();
+        // Held-out work of the old stage: its evaluators retry when their deadlines pass.
+        self.evaluator.abandon();
+        self.relays = Default::default();
         self.exports.forget_snapshots();
         // A new state may come with a new stage, whose next stage's replicas the old times
         // say nothing about (a re-sync at the same stage starts afresh too).
