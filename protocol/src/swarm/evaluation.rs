@@ -53,6 +53,8 @@ pub(super) fn evaluator_key(step: u64) -> RoundKey {
 struct Attempt {
     microbatch: u32,
     deadline: Duration,
+    /// The replica of the next stage it went to.
+    first_hop: Option<PeerKey>,
 }
 
 /// The evaluation this replica runs.
@@ -66,6 +68,8 @@ struct UnderWay {
     live: BTreeMap<u64, Attempt>,
     /// Attempts started per microbatch.
     tries: BTreeMap<u32, u32>,
+    /// Where each microbatch's last attempt went: a retry goes elsewhere if it can.
+    last_hop: BTreeMap<u32, PeerKey>,
     /// Samples and loss of each microbatch done.
     losses: BTreeMap<u32, (u32, f32)>,
 }
@@ -200,6 +204,7 @@ impl Evaluator {
             next: 0,
             live: BTreeMap::new(),
             tries: BTreeMap::new(),
+            last_hop: BTreeMap::new(),
             losses: BTreeMap::new(),
         });
         self.pump(out, plan, now);
@@ -264,6 +269,40 @@ impl Evaluator {
             self.pump(out, plan, now);
         }
         true
+    }
+
+    /// The attempt's activations went to `first_hop`.
+    pub fn sent(&mut self, attempt: u64, first_hop: PeerKey) {
+        if let Some(u) = self.under_way.as_mut()
+            && let Some(a) = u.live.get_mut(&attempt)
+        {
+            a.first_hop = Some(first_hop);
+            u.last_hop.insert(a.microbatch, first_hop);
+        }
+    }
+
+    /// The replica the attempt's microbatch went to last time, to avoid.
+    pub fn previous_hop(&self, attempt: u64) -> Option<PeerKey> {
+        let u = self.under_way.as_ref()?;
+        u.last_hop.get(&u.live.get(&attempt)?.microbatch).copied()
+    }
+
+    /// `peer` is gone or unreachable: the attempts that went to it are tried again now.
+    pub fn fail_hop(&mut self, out: &mut Outbox, peer: PeerKey, plan: &Plan, now: Duration) {
+        let through: Vec<u64> = self
+            .under_way
+            .as_ref()
+            .map(|u| {
+                u.live
+                    .iter()
+                    .filter(|(_, a)| a.first_hop == Some(peer))
+                    .map(|(id, _)| *id)
+                    .collect()
+            })
+            .unwrap_or_default();
+        for id in through {
+            self.fail(out, id, plan, now);
+        }
     }
 
     /// The route of `attempt` failed (a hop rejected it, or it could not be sent): it is
@@ -395,6 +434,7 @@ fn start(
         Attempt {
             microbatch,
             deadline: now + plan.deadline,
+            first_hop: None,
         },
     );
     let (sample, rows) = microbatch_samples(microbatch, plan);
@@ -666,6 +706,22 @@ mod tests {
         // The same step is not evaluated twice.
         e.maybe_start(&mut out, ME, 10, [ME], &p, S);
         assert!(started(&mut out).is_empty());
+    }
+
+    #[test]
+    fn attempts_through_a_lost_peer_are_retried_at_once_and_elsewhere() {
+        let (mut e, mut out, p) = (Evaluator::new(7, 0), Outbox::new(ME), plan());
+        e.maybe_start(&mut out, ME, 10, [ME], &p, Duration::ZERO);
+        let first = started(&mut out);
+        let (lost, kept) = (PeerKey(5), PeerKey(6));
+        e.sent(first[0].0, lost);
+        e.sent(first[1].0, kept);
+        e.fail_hop(&mut out, lost, &p, S);
+        let retried = started(&mut out);
+        assert_eq!(retried.len(), 1, "only the attempt through the lost peer");
+        assert_eq!(retried[0].1, first[0].1, "the same samples");
+        assert_eq!(e.previous_hop(retried[0].0), Some(lost), "to be avoided");
+        assert!(!e.owns(first[0].0) && e.owns(first[1].0));
     }
 
     #[test]

@@ -575,6 +575,7 @@ impl Peer {
     /// peer, e.g. one that just restarted at a new address).
     pub fn handle_send_failed(&mut self, peer: PeerKey, now: Duration) {
         self.driver.fail_hop(peer, now);
+        self.held_out_hop_failed(peer, now);
         self.server.reject_routed_through(&mut self.out, peer);
         self.after(now);
     }
@@ -597,6 +598,7 @@ impl Peer {
         self.bans.forget(peer);
         self.steps.forget(peer, now);
         self.driver.fail_hop(peer, now);
+        self.held_out_hop_failed(peer, now);
         self.server.reject_routed_through(&mut self.out, peer);
         self.role
             .source_lost(peer, now, self.timing.transfer_timeout);

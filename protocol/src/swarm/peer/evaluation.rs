@@ -134,6 +134,13 @@ impl Peer {
         self.announce_result_if_new();
     }
 
+    /// `peer` is gone or unreachable: this peer's held-out microbatches sent to it are
+    /// tried again now.
+    pub(super) fn held_out_hop_failed(&mut self, peer: PeerKey, now: Duration) {
+        let plan = self.evaluation_plan();
+        self.evaluator.fail_hop(&mut self.out, peer, &plan, now);
+    }
+
     /// A held-out microbatch's route failed; it is retried if it is this peer's.
     pub(super) fn held_out_failed(&mut self, id: u64, now: Duration) {
         let plan = self.evaluation_plan();
@@ -176,10 +183,11 @@ impl Peer {
             Output::Loss(loss) => self.out.send(evaluator, Message::Evaluated { id, loss }),
             Output::Activations(activations) => {
                 let next_stage = self.role.stage().unwrap_or(0) + 1;
+                let avoid = self.evaluator.previous_hop(id);
                 let service = &self.service;
                 let next =
                     self.members
-                        .route(next_stage, None, self.routing, &mut self.dealer, |k| {
+                        .route(next_stage, avoid, self.routing, &mut self.dealer, |k| {
                             service.observed(k)
                         });
                 let encoded = next.and_then(|to| {
@@ -189,6 +197,9 @@ impl Peer {
                 });
                 match (next, encoded) {
                     (Some(next), Some(activations)) => {
+                        if mine {
+                            self.evaluator.sent(id, next);
+                        }
                         f.activations = activations;
                         self.out.send(next, Message::Evaluate(f));
                     }
