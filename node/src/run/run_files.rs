@@ -114,18 +114,25 @@ pub(super) fn initial_params(
     let Some(path) = path else {
         bail!("this run starts from the model {name}: pass the same file with --init");
     };
-    let bytes = read(path)?;
-    if xxhash_rust::xxh3::xxh3_64(&bytes) != *hash {
-        bail!(
-            "{} is not the run's model file {name} (--init)",
-            path.display()
-        );
-    }
-    // Every stage's tensors stay in host memory while the peer runs: any stage may be built
-    // fresh here later.
-    let file = open_model(path, &bytes, model)?;
+    // Checked now, so that a wrong file is refused before the peer joins; read again when a
+    // stage is built fresh, so that the whole model does not stay in host memory meanwhile.
+    let load = {
+        let (path, name, hash, model) = (path.to_path_buf(), name.clone(), *hash, *model);
+        move || -> anyhow::Result<ModelFile> {
+            let bytes = read(&path)?;
+            if xxhash_rust::xxh3::xxh3_64(&bytes) != hash {
+                bail!(
+                    "{} is not the run's model file {name} (--init; did it change?)",
+                    path.display()
+                );
+            }
+            open_model(&path, &bytes, &model)
+        }
+    };
+    load()?;
     Ok(Some(Box::new(move |replica| {
-        file.stage_params(replica.stage())
+        load()
+            .and_then(|file| file.stage_params(replica.stage()))
             .map_err(|e| format!("{e:#}"))
     })))
 }
