@@ -306,7 +306,12 @@ impl TextCorpus {
             path: path.to_owned(),
             source,
         })?;
-        if let Some(shard) = read_shard(path, &bytes) {
+        Self::parse(path, &bytes)
+    }
+
+    /// [`TextCorpus::open`] of the file's `bytes`, read from `path` (what errors name).
+    pub fn parse(path: &Path, bytes: &[u8]) -> Result<Self, DataError> {
+        if let Some(shard) = read_shard(path, bytes) {
             let (tokens, vocab) = shard?;
             return Ok(TextCorpus {
                 path: path.to_owned(),
@@ -314,7 +319,7 @@ impl TextCorpus {
                 vocab,
             });
         }
-        if let Err(e) = std::str::from_utf8(&bytes) {
+        if let Err(e) = std::str::from_utf8(bytes) {
             return Err(DataError::NotText {
                 path: path.to_owned(),
                 offset: e.valid_up_to(),

@@ -29,7 +29,7 @@ fn read(path: &Path) -> anyhow::Result<Vec<u8>> {
 pub(super) fn data_source(path: &Path) -> anyhow::Result<DataSource> {
     let bytes = read(path)?;
     let (name, hash) = name_and_hash(path, &bytes);
-    let corpus = TextCorpus::open(path)?;
+    let corpus = TextCorpus::parse(path, &bytes)?;
     let is_shard = bytes.get(..4) == Some(&SHARD_MAGIC.to_le_bytes()[..]);
     Ok(if corpus.vocab() == BYTE_VOCAB && !is_shard {
         DataSource::TextFile { name, hash }
@@ -58,10 +58,11 @@ pub(super) fn local_corpus(
                 // clearly rather than fail on the first microbatch.
                 bail!("this run reads {name}: pass the same file with {flag}");
             };
-            if xxhash_rust::xxh3::xxh3_64(&read(path)?) != *hash {
+            let bytes = read(path)?;
+            if xxhash_rust::xxh3::xxh3_64(&bytes) != *hash {
                 bail!("{} is not the run's file {name} ({flag})", path.display());
             }
-            Ok(Corpus::Text(TextCorpus::open(path)?))
+            Ok(Corpus::Text(TextCorpus::parse(path, &bytes)?))
         }
     }
 }

@@ -20,9 +20,9 @@
 
 use super::interface::{Event, Input, Job};
 use super::message::{Forward, HeldOut, Message, RoundKey};
-use super::norms::{self, NormReference};
+use super::norms::NormReference;
 use super::outbox::Outbox;
-use super::server::{Serving, decode};
+use super::server::{Serving, accepted_activations, forged_forward};
 use super::{PeerKey, SeededRng};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -89,6 +89,17 @@ pub(super) struct Evaluator {
     final_wait: Option<Duration>,
     /// That wait is over.
     final_wait_over: bool,
+}
+
+/// What a loss from the last stage did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum LossTaken {
+    /// No honest last stage sends it (not finite, or huge): its attempt is tried again.
+    Refused,
+    /// Counted (or late, and ignored).
+    Taken,
+    /// It was the evaluation's last: the result is known.
+    Completed,
 }
 
 /// What the peer needs of the run to evaluate.
@@ -222,8 +233,8 @@ impl Evaluator {
         }
     }
 
-    /// The last stage's loss on `attempt`, from `from`. Returns false for a value no honest
-    /// last stage sends (an answer to an attempt that is not live is late, not a lie).
+    /// The last stage's loss on `attempt`. An answer to an attempt that is not live is
+    /// late, not a lie: taken and ignored.
     pub fn on_loss(
         &mut self,
         out: &mut Outbox,
@@ -232,17 +243,17 @@ impl Evaluator {
         loss: f32,
         plan: &Plan,
         now: Duration,
-    ) -> bool {
+    ) -> LossTaken {
         if !(loss.is_finite() && (0.0..=MAX_LOSS).contains(&loss)) {
             // Tried again elsewhere at once rather than at its deadline.
             self.fail(out, attempt, plan, now);
-            return false;
+            return LossTaken::Refused;
         }
         let Some(u) = self.under_way.as_mut() else {
-            return true;
+            return LossTaken::Taken;
         };
         let Some(a) = u.live.remove(&attempt) else {
-            return true;
+            return LossTaken::Taken;
         };
         let (_, rows) = microbatch_samples(a.microbatch, plan);
         u.losses.entry(a.microbatch).or_insert((rows, loss));
@@ -265,10 +276,11 @@ impl Evaluator {
             };
             self.under_way = None;
             self.learn(out, held_out);
+            LossTaken::Completed
         } else {
             self.pump(out, plan, now);
+            LossTaken::Taken
         }
-        true
     }
 
     /// The attempt's activations went to `first_hop`.
@@ -509,22 +521,17 @@ impl Relays {
         let here = f.route.len() as u32;
         let evaluator = f.route.first().copied().unwrap_or(from);
         let samples = u64::from(f.rows).saturating_add(f.sample);
-        let forged = if f.route.last() != Some(&from) {
-            Some("a held-out forward pass whose route does not end with its sender")
-        } else if f.rows == 0 || f.rows > at.microbatch || samples > u64::from(plan.samples) {
-            Some("a held-out forward pass of a size or samples outside the run's")
-        } else if !plan.evaluates(f.round) {
-            Some("a held-out forward pass of a step the run does not evaluate")
-        } else if self.relayed.contains_key(&f.id)
-            || self.done.contains_key(&f.id)
-            || training(f.id)
-        {
-            Some("a held-out forward pass repeating an attempt id")
-        } else if !at.activation_codecs.allows(&f.activations) {
-            Some("held-out activations in a codec the run does not allow")
-        } else {
-            None
-        };
+        let repeated =
+            self.relayed.contains_key(&f.id) || self.done.contains_key(&f.id) || training(f.id);
+        let forged = forged_forward(&f, from, at, repeated)
+            .or_else(|| {
+                (samples > u64::from(plan.samples))
+                    .then_some("a held-out forward pass of samples outside the held-out set")
+            })
+            .or_else(|| {
+                (!plan.evaluates(f.round))
+                    .then_some("a held-out forward pass of a step the run does not evaluate")
+            });
         if let Some(what) = forged {
             out.violation(from, what);
         }
@@ -548,23 +555,12 @@ impl Relays {
             out.send(evaluator, Message::Reject { id: f.id });
             return;
         }
-        let expect = at.activation_values * f.rows as usize;
-        let Some(acts) = decode(&f.activations, expect).filter(|a| a.len() == expect) else {
-            out.violation(
-                from,
-                "held-out activations malformed, of the wrong size or not finite",
-            );
-            out.send(evaluator, Message::Reject { id: f.id });
+        // Held-out activations are checked against the stage's sizes but do not join them.
+        let Some(acts) = accepted_activations(out, from, evaluator, &f, at, |rms| {
+            activation_norms.fits(rms)
+        }) else {
             return;
         };
-        if !activation_norms.fits(norms::rms(&acts)) {
-            out.violation(
-                from,
-                "held-out activations far larger than this stage has seen",
-            );
-            out.send(evaluator, Message::Reject { id: f.id });
-            return;
-        }
         self.relayed.insert(
             f.id,
             Relayed {
@@ -685,7 +681,10 @@ mod tests {
         let mut first = started(&mut out);
         assert_eq!(first.len(), WINDOW, "a window at a time");
         // A refused loss changes nothing; an attempt's route fails and is tried again.
-        assert!(!e.on_loss(&mut out, ME, first[0].0, f32::NAN, &p, S));
+        assert_eq!(
+            e.on_loss(&mut out, ME, first[0].0, f32::NAN, &p, S),
+            LossTaken::Refused
+        );
         e.fail(&mut out, first[0].0, &p, S);
         first.remove(0);
         first.extend(started(&mut out));
@@ -694,7 +693,14 @@ mod tests {
             samples.extend(sample..sample + u64::from(rows));
             // The last microbatch (2 samples) scores 1, the others 2.
             let loss = if rows == 4 { 2.0 } else { 1.0 };
-            assert!(e.on_loss(&mut out, ME, id, loss, &p, S));
+            let taken = e.on_loss(&mut out, ME, id, loss, &p, S);
+            // The last of them completes the evaluation.
+            let expected = if e.step().is_none() {
+                LossTaken::Completed
+            } else {
+                LossTaken::Taken
+            };
+            assert_eq!(taken, expected);
             pending.extend(started(&mut out));
         }
         samples.sort_unstable();

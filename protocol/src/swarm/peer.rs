@@ -75,8 +75,6 @@ pub struct Peer {
     evaluator: Evaluator,
     /// Held-out microbatches this peer computes for evaluators.
     relays: Relays,
-    /// The step of the last evaluation of its own this peer announced at once.
-    announced_held_out: Option<u64>,
     steps: StepCoordinator,
     exports: StateExports,
     bans: Bans,
@@ -128,7 +126,6 @@ impl Peer {
                 resume.map_or(0, |r| r.step),
             ),
             relays: Relays::default(),
-            announced_held_out: None,
             steps: StepCoordinator::new(settings, config.codecs.averaging, now),
             exports: StateExports::new(timing.transfer_timeout, costs.state_chunk_bytes()),
             bans: Bans::new(timing.announce_every * ACCUSATION_ANNOUNCEMENTS),

@@ -121,6 +121,50 @@ pub(super) struct StageServer {
     pub gradient_norms: NormReference,
 }
 
+/// What no honest peer sends in a forward pass, for training or held out: the sender not
+/// the route's last peer, a size outside the run's, an attempt id `repeated` here, a codec the
+/// run does not allow.
+pub(super) fn forged_forward(
+    f: &Forward,
+    from: PeerKey,
+    at: &Serving,
+    repeated: bool,
+) -> Option<&'static str> {
+    if f.route.last() != Some(&from) {
+        Some("a forward pass whose route does not end with its sender")
+    } else if f.rows == 0 || f.rows > at.microbatch {
+        Some("a forward pass of a size outside the run's")
+    } else if repeated {
+        Some("a forward pass repeating an attempt id")
+    } else if !at.activation_codecs.allows(&f.activations) {
+        Some("activations in a codec the run does not allow")
+    } else {
+        None
+    }
+}
+
+/// A forward pass's activations, decoded to the size its rows make and of a scale `admit`
+/// takes (against what the stage accepted lately); otherwise None: the sender's violation is
+/// reported and `driver` told, so it retries elsewhere.
+pub(super) fn accepted_activations(
+    out: &mut Outbox,
+    from: PeerKey,
+    driver: PeerKey,
+    f: &Forward,
+    at: &Serving,
+    admit: impl FnOnce(f64) -> bool,
+) -> Option<Vec<f32>> {
+    let expect = at.activation_values * f.rows as usize;
+    let refused = match decode(&f.activations, expect).filter(|a| a.len() == expect) {
+        None => "activations malformed, of the wrong size or not finite",
+        Some(acts) if admit(norms::rms(&acts)) => return Some(acts),
+        Some(_) => "activations far larger than this stage has seen",
+    };
+    out.violation(from, refused);
+    out.send(driver, Message::Reject { id: f.id });
+    None
+}
+
 /// Decodes a tensor of at most `max` values; None if it is malformed.
 pub(super) fn decode(bytes: &[u8], max: usize) -> Option<Vec<f32>> {
     let mut values = Vec::new();
@@ -171,19 +215,7 @@ impl StageServer {
     ) -> Arrival {
         let here = f.route.len() as u32;
         let driver = f.route.first().copied().unwrap_or(from);
-        // What no honest peer sends: the sender not the route's last peer, a size outside
-        // the run's, a repeated attempt id.
-        let forged = if f.route.last() != Some(&from) {
-            Some("a forward pass whose route does not end with its sender")
-        } else if f.rows == 0 || f.rows > at.microbatch {
-            Some("a forward pass of a size outside the run's")
-        } else if self.hops.contains_key(&f.id) {
-            Some("a forward pass repeating an attempt id")
-        } else if !at.activation_codecs.allows(&f.activations) {
-            Some("activations in a codec the run does not allow")
-        } else {
-            None
-        };
+        let forged = forged_forward(&f, from, at, self.hops.contains_key(&f.id));
         if let Some(what) = forged {
             out.violation(from, what);
         }
@@ -215,20 +247,11 @@ impl StageServer {
             out.send(driver, Message::Reject { id: f.id });
             return Arrival::Rejected;
         }
-        let expect = at.activation_values * f.rows as usize;
-        let Some(acts) = decode(&f.activations, expect).filter(|a| a.len() == expect) else {
-            out.violation(
-                from,
-                "activations malformed, of the wrong size or not finite",
-            );
-            out.send(driver, Message::Reject { id: f.id });
+        let seen = &mut self.activation_norms;
+        let Some(acts) = accepted_activations(out, from, driver, &f, at, |rms| seen.admits(rms))
+        else {
             return Arrival::Rejected;
         };
-        if !self.activation_norms.admits(norms::rms(&acts)) {
-            out.violation(from, "activations far larger than this stage has seen");
-            out.send(driver, Message::Reject { id: f.id });
-            return Arrival::Rejected;
-        }
         self.hops.insert(
             f.id,
             Hop {

@@ -5,7 +5,7 @@
 use super::Peer;
 use crate::swarm::PeerKey;
 use crate::swarm::SyncMode;
-use crate::swarm::evaluation::{Evaluator, Plan, Sender, evaluator_key};
+use crate::swarm::evaluation::{Evaluator, LossTaken, Plan, Sender, evaluator_key};
 use crate::swarm::interface::Output;
 use crate::swarm::membership::Standing;
 use crate::swarm::message::{Announcement, Forward, HeldOut, MemberState, Message};
@@ -122,16 +122,25 @@ impl Peer {
             // Moved, or not heard of yet: its attempt times out instead.
             _ => return,
         }
-        let plan = self.evaluation_plan();
-        let me = self.me;
-        if !self
-            .evaluator
-            .on_loss(&mut self.out, me, id, loss, &plan, now)
-        {
+        if self.take_loss(id, loss, now) == LossTaken::Refused {
             self.out
                 .violation(from, "a held-out loss no model gives (not finite or huge)");
         }
-        self.announce_result_if_new();
+    }
+
+    /// The last stage's loss on one of this peer's held-out microbatches (its own, in a
+    /// pipeline of one stage). The evaluation's result, once complete, goes to everyone at
+    /// once: the other first-stage replicas may be waiting for it to finish.
+    fn take_loss(&mut self, id: u64, loss: f32, now: Duration) -> LossTaken {
+        let plan = self.evaluation_plan();
+        let me = self.me;
+        let taken = self
+            .evaluator
+            .on_loss(&mut self.out, me, id, loss, &plan, now);
+        if taken == LossTaken::Completed {
+            self.announce();
+        }
+        taken
     }
 
     /// `peer` is gone or unreachable: this peer's held-out microbatches sent to it are
@@ -174,11 +183,7 @@ impl Peer {
         let mine = evaluator == self.me;
         match output {
             Output::Loss(loss) if mine => {
-                // A pipeline of one stage.
-                let me = self.me;
-                self.evaluator
-                    .on_loss(&mut self.out, me, id, loss, &plan, now);
-                self.announce_result_if_new();
+                self.take_loss(id, loss, now);
             }
             Output::Loss(loss) => self.out.send(evaluator, Message::Evaluated { id, loss }),
             Output::Activations(activations) => {
@@ -245,23 +250,5 @@ impl Peer {
             // The last one: the wait for it is over.
             self.announce();
         }
-    }
-
-    /// This peer's evaluation just completed: everyone hears of it at once (the other
-    /// first-stage replicas may be waiting for it to finish).
-    fn announce_result_if_new(&mut self) {
-        if self.evaluator.step().is_none()
-            && self
-                .evaluator
-                .latest()
-                .is_some_and(|l| l.by == self.me && !self.evaluation_announced(l.step))
-        {
-            self.announced_held_out = self.evaluator.latest().map(|l| l.step);
-            self.announce();
-        }
-    }
-
-    fn evaluation_announced(&self, step: u64) -> bool {
-        self.announced_held_out.is_some_and(|s| s >= step)
     }
 }
