@@ -84,6 +84,15 @@ pub struct Report {
     pub banned: Vec<(f64, usize, String)>,
     /// Honest peers that an honest peer banned (must be 0).
     pub false_bans: usize,
+    /// `[sim_s, peer, credit]` of each peer whose averaging weight an honest peer lowered
+    /// for claiming more samples than its witnesses saw it commit: when first, and the
+    /// lowest credit (weight over claim) any honest peer gave it.
+    pub discounted: Vec<(f64, usize, f64)>,
+    /// Honest peers among them.
+    pub false_discounts: usize,
+    /// The lowest credit an honest peer gave an honest stage-mate, sampled at each of its
+    /// steps (1: every honest claim matched its witnesses).
+    pub honest_credit_min: f64,
     /// Honest replicas alive at the end that hold a parameter or optimizer value that is not
     /// finite (real compute).
     pub nonfinite_replicas: usize,
@@ -239,6 +248,22 @@ impl Report {
                 &mut out,
                 "banned",
                 format!("{} ({} honest)", bans.join(", "), self.false_bans),
+            );
+        }
+        if self.honest_credit_min < 1.0 {
+            let c = format!("x{:.2} at the lowest", self.honest_credit_min);
+            row(&mut out, "honest claims", c);
+        }
+        if !self.discounted.is_empty() {
+            let who: Vec<String> = self
+                .discounted
+                .iter()
+                .map(|d| format!("{} at {:.1} s (x{:.2})", d.1, d.0, d.2))
+                .collect();
+            row(
+                &mut out,
+                "claims discounted",
+                format!("{} ({} honest)", who.join(", "), self.false_discounts),
             );
         }
         if !self.attackers.is_empty() {

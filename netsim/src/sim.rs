@@ -294,6 +294,10 @@ pub struct Sim {
     violations: u64,
     /// `[sim_s, peer, reason]`: the first ban of each peer by an honest peer.
     banned: Vec<(f64, usize, String)>,
+    /// Per peer whose claims an honest peer discounted: when first, and the lowest credit.
+    discounted: BTreeMap<usize, (f64, f64)>,
+    /// The lowest credit an honest peer gave an honest one, sampled at its steps.
+    honest_credit_min: f64,
     /// Each kind of warning, and the peers that gave it.
     warnings: BTreeMap<String, BTreeSet<usize>>,
     pending: Vec<Pending>,
@@ -386,6 +390,8 @@ impl Sim {
             refused_states: 0,
             violations: 0,
             banned: Vec::new(),
+            discounted: BTreeMap::new(),
+            honest_credit_min: 1.0,
             pending: Vec::new(),
             recoveries: Vec::new(),
             gone_stats: Vec::new(),

@@ -316,13 +316,7 @@ pub fn robust_mean(args: BenchRobustMeanArgs) -> anyhow::Result<()> {
                 .collect()
         })
         .collect();
-    let shares: Vec<Share> = sums
-        .iter()
-        .map(|v| Share {
-            values: v,
-            samples: 16.0,
-        })
-        .collect();
+    let shares: Vec<Share> = sums.iter().map(|v| Share::new(v, 16.0)).collect();
     let plain = fastest(args.rounds, || {
         let mut sum = vec![0f64; len];
         for s in &shares {

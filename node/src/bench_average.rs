@@ -601,10 +601,7 @@ impl Check {
             let shares: Vec<Share> = sums
                 .iter()
                 .zip(&members)
-                .map(|(values, &j)| Share {
-                    values,
-                    samples: Contributions::samples(j),
-                })
+                .map(|(values, &j)| Share::new(values, Contributions::samples(j)))
                 .collect();
             let mean = centered_clip(&shares, range.len()).mean;
             let got = &result.averaged[range];

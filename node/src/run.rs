@@ -230,6 +230,8 @@ struct Tally {
     /// Protocol violations by sender and kind: logged the first time, counted after.
     violations: BTreeMap<(PeerKey, &'static str), u64>,
     banned: Vec<(String, String)>,
+    /// Stage-mates whose averaging weight this peer lowered, with the lowest credit told.
+    discounted: BTreeMap<String, f64>,
 }
 
 impl Tally {
@@ -862,6 +864,16 @@ fn on_event(e: Event, peer: &Peer, ids: &HashMap<PeerKey, PeerId>, tally: &mut T
                 "banned {who} for the rest of the run: {why} ({accusers} of its stage's {replicas} replicas accuse it)"
             );
             tally.banned.push((who, why.to_string()));
+        }
+        Event::Discounted {
+            peer: member,
+            credit,
+        } => {
+            let who = peer_id(ids, member);
+            tracing::warn!(
+                "{who} claims more samples than the replicas it worked with saw it commit: its weight in averaging is {credit:.2} of its claim's"
+            );
+            tally.discounted.insert(who, credit);
         }
         Event::Serving { stage, step, from } => {
             tally.stage_history.push(stage);

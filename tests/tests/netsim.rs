@@ -523,6 +523,7 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
         "lie-throughput",
         "forge-hash",
         "poison-catch-up",
+        "inflate:8",
     ] {
         let r = run(&with_joiners(behavior), 1);
         let table = r.table();
@@ -530,6 +531,17 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
         assert_eq!(r.attackers.len(), 2, "{behavior}");
         assert_eq!(r.nonfinite_replicas, 0, "{behavior}: {table}");
         assert!(r.honest_agree, "{behavior}: {table}");
+        // No honest replica's claims fall short of its routes.
+        assert_eq!(r.false_discounts, 0, "{behavior}: {table}");
+        let discounted: Vec<usize> = r.discounted.iter().map(|d| d.1).collect();
+        if behavior == "inflate:8" {
+            // Each attacker weighs about what its witnesses committed with it (an eighth, and
+            // one round's worth forgiven over the window).
+            assert_eq!(discounted, r.attackers, "{table}");
+            assert!(r.discounted.iter().all(|d| d.2 < 0.3), "{table}");
+        } else {
+            assert!(discounted.is_empty(), "{behavior}: {table}");
+        }
         if behavior == "label-flip" {
             // The one attack that still costs honest peers: the activation gradients of a last
             // stage training on wrong targets poison the shares of the replicas upstream that

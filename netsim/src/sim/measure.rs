@@ -10,6 +10,9 @@ impl Sim {
         }
         let last = self.config.stages - 1;
         let stage = self.peers[i].machine.stage();
+        if matches!(e, Event::Stepped { .. }) && !self.peers[i].attacker() {
+            self.note_credits(i);
+        }
         match e {
             Event::Stepped { step, loss, .. } if stage == Some(last) => {
                 // The run's step: the last stage's in allreduce mode; in DiLoCo, where each
@@ -71,6 +74,13 @@ impl Sim {
                     self.banned.push((self.now_s(), j, why.to_string()));
                 }
             }
+            Event::Discounted { peer, credit } if !self.peers[i].attacker() => {
+                if let Some(&j) = self.by_key.get(&peer) {
+                    let now = self.now_s();
+                    let d = self.discounted.entry(j).or_insert((now, credit));
+                    d.1 = d.1.min(credit);
+                }
+            }
             Event::Moving { from, to } => self.moves.push((self.now_s(), i, from, to)),
             Event::StateReceived {
                 bytes,
@@ -93,6 +103,17 @@ impl Sim {
                 self.peers[i].served_at = Some(self.now_s());
             }
             _ => {}
+        }
+    }
+
+    /// The lowest weight factor honest peer `i` gives an honest stage-mate for its claims.
+    fn note_credits(&mut self, i: usize) {
+        for (member, credit) in self.peers[i].machine.claim_credits() {
+            if let Some(&j) = self.by_key.get(member)
+                && !self.peers[j].attacker()
+            {
+                self.honest_credit_min = self.honest_credit_min.min(*credit);
+            }
         }
     }
 
@@ -237,6 +258,15 @@ impl Sim {
             .iter()
             .filter(|b| !self.peers[b.1].attacker())
             .count();
+        let discounted: Vec<(f64, usize, f64)> = self
+            .discounted
+            .iter()
+            .map(|(&j, &(at, credit))| (at, j, credit))
+            .collect();
+        let false_discounts = discounted
+            .iter()
+            .filter(|d| !self.peers[d.1].attacker())
+            .count();
         // Late joiners: those not there from the start, which must download a state.
         let joins = (0..self.peers.len())
             .filter(|i| self.peers[*i].joined_at > 0.0 && !self.peers[*i].sybil)
@@ -283,6 +313,9 @@ impl Sim {
             attackers,
             banned: self.banned,
             false_bans,
+            discounted,
+            false_discounts,
+            honest_credit_min: self.honest_credit_min,
             nonfinite_replicas,
             honest_agree,
             recoveries: self.recoveries,

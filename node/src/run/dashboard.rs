@@ -89,6 +89,10 @@ impl Dashboard {
                 "banned {}: {why} ({accusers} of {replicas} replicas accuse it)",
                 short(ids, *peer)
             ),
+            Event::Discounted { peer, credit } => format!(
+                "{} claims more samples than it committed: weight x{credit:.2}",
+                short(ids, *peer)
+            ),
             Event::Resync { from, reason } => {
                 format!("re-syncing from {}: {reason}", short(ids, *from))
             }

@@ -45,6 +45,9 @@ pub(super) struct RunReport {
     pub(super) violations_by_kind: Vec<(String, String, u64)>,
     /// Peers this peer banned: `[peer id, reason]`, in the order banned.
     pub(super) banned: Vec<(String, String)>,
+    /// Stage-mates whose averaging weight this peer lowered because their shares claimed more
+    /// samples than their witnesses saw them commit: `[peer id, credit]` (the lowest told).
+    pub(super) discounted: Vec<(String, f64)>,
     /// Mean loss of the last steps this peer saw as the last stage.
     pub(super) final_loss: Option<f64>,
     pub(super) loss_curve: Vec<(u64, f64)>,
@@ -140,6 +143,9 @@ impl RunReport {
                 .map(|((from, what), n)| (peer_id(ids, *from), what.to_string(), *n))
                 .collect(),
             banned: tally.banned.clone(),
+            discounted: (tally.discounted.iter())
+                .map(|(k, c)| (k.clone(), *c))
+                .collect(),
             final_loss: tally.final_loss(),
             loss_curve: tally.loss_curve.clone(),
             val_curve: tally.val_curve.clone(),

@@ -315,10 +315,7 @@ impl Replicas {
             let shares: Vec<Share> = received
                 .iter()
                 .zip(contributions)
-                .map(|(values, (_, samples))| Share {
-                    values,
-                    samples: *samples,
-                })
+                .map(|(values, (_, samples))| Share::new(values, *samples))
                 .collect();
             let part = robust::centered_clip(&shares, range.len()).mean;
             if n == 1 || part.is_empty() {

@@ -32,6 +32,10 @@ pub enum Behavior {
     Noise(f32),
     /// Sends zeros as its averaging contribution (while claiming its samples).
     Zero,
+    /// Claims this many times the samples it computed its averaging contribution on (its
+    /// values are honest): its per-sample mean shrinks toward zero while it takes a typical
+    /// member's weight, diluting every update without pointing against it.
+    Inflate(f32),
     /// Puts NaN in its averaging contribution.
     Nan,
     /// Inner-product manipulation: sends minus this fraction of its estimate of the honest
@@ -98,6 +102,7 @@ impl std::str::FromStr for Behavior {
             Some(("scale", f)) => Behavior::Scale(number(f)?),
             Some(("noise", sigma)) => Behavior::Noise(number(sigma)?),
             Some(("ipm", eps)) => Behavior::Ipm(number(eps)?),
+            Some(("inflate", f)) => Behavior::Inflate(number(f)?),
             Some(("alie", z)) => Behavior::Alie(number(z)?),
             Some(("sybil", n)) => Behavior::Sybil(
                 n.parse::<u32>()
@@ -119,8 +124,8 @@ impl std::str::FromStr for Behavior {
 impl Behavior {
     fn expected(s: &str) -> String {
         format!(
-            "'{s}' (honest, sign-flip, scale:F, noise:SIGMA, zero, nan, ipm:EPS, alie[:Z], \
-             stale:K, label-flip, bad-part, bad-leader, lie-throughput, forge-hash, \
+            "'{s}' (honest, sign-flip, scale:F, noise:SIGMA, zero, inflate:F, nan, ipm:EPS, \
+             alie[:Z], stale:K, label-flip, bad-part, bad-leader, lie-throughput, forge-hash, \
              poison-catch-up, poison-state or sybil:N)"
         )
     }
@@ -160,6 +165,14 @@ impl Attack {
     /// The time is `now`.
     pub fn tick(&mut self, now: Duration) {
         self.on = self.is_attacker() && now >= self.from;
+    }
+
+    /// How many times the samples it computed its averaging contribution on it claims.
+    pub fn claim(&self) -> f64 {
+        match self.behavior {
+            Behavior::Inflate(f) if self.on => f64::from(f),
+            _ => 1.0,
+        }
     }
 
     /// Its averaging contribution (the device's result) as it hands it to its peer.

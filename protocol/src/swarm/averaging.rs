@@ -118,6 +118,9 @@ pub struct RoundResult {
     /// ([`robust::Aggregate::support`]); per averaged part received, how well it agreed with
     /// this member's own share of it ([`robust::agreement`]).
     pub evidence: Vec<Evidence>,
+    /// The samples each member's share of this member's part claimed (see
+    /// [`crate::swarm::claims`]).
+    pub claims: Vec<(PeerKey, f64)>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -191,6 +194,11 @@ pub struct Round {
     /// point against its share, against the others); leading, leave the others out.
     pub(super) forge_part: bool,
     pub(super) exclude_others: bool,
+    /// The factor on each member's weight from its claims checked against the routes (see
+    /// [`crate::swarm::claims`]; 1 where absent).
+    pub(super) credits: BTreeMap<PeerKey, f64>,
+    /// What the shares of this member's part claimed, once reduced.
+    claims: Vec<(PeerKey, f64)>,
     /// Seconds per byte of encoded shares on this member's uplink (see
     /// [`crate::swarm::links::Links::upload_pace`]). The phases after the contribution wait `round_timeout` plus what
     /// sending this member's shares takes at that pace, twice (its shares out, then the part
@@ -256,6 +264,8 @@ impl Round {
             own: Vec::new(),
             forge_part: false,
             exclude_others: false,
+            credits: BTreeMap::new(),
+            claims: Vec::new(),
             upload_pace: None,
             transfer: Duration::ZERO,
             missing_answers: BTreeMap::new(),
@@ -820,6 +830,7 @@ impl Round {
             zeroed,
             refused,
             evidence: std::mem::take(&mut self.evidence),
+            claims: std::mem::take(&mut self.claims),
         }));
     }
 

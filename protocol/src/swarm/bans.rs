@@ -766,13 +766,7 @@ mod tests {
             let sums: Vec<Vec<f32>> = (0..6)
                 .map(|_| (0..200).map(|_| gaussian(&mut rng) as f32).collect())
                 .collect();
-            let shares: Vec<Share> = sums
-                .iter()
-                .map(|v| Share {
-                    values: v,
-                    samples: 1.0,
-                })
-                .collect();
+            let shares: Vec<Share> = sums.iter().map(|v| Share::new(v, 1.0)).collect();
             let robust = centered_clip(&shares, 200);
             let scores: Vec<Evidence> = (0..6)
                 .filter_map(|k| Some(share(PeerKey(k), robust.support[k as usize]?)))

@@ -20,15 +20,17 @@
 use super::PeerKey;
 use super::agreement::{CatchUp, Resync};
 use super::averaging::RoundOut;
+use super::claims::{ClaimCheck, DISCOUNTED};
 use super::config::{RunConfig, SyncMode, Timing};
 use super::driver::Demand;
 use super::interface::{Event, Job};
 use super::membership::{Membership, Standing};
-use super::message::{MemberState, Message, RoundKey, RoundMsg};
+use super::message::{MemberState, Message, RoundKey, RoundMsg, Routed};
 use super::outbox::Outbox;
 use super::progress::StageProgress;
 use super::rounds::Rounds;
 use crate::Codec;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// The run's settings the coordinator decides with.
@@ -108,6 +110,11 @@ pub(super) struct StepCoordinator {
     last_collected: Duration,
     /// The other replicas' latest progress reports.
     progress: StageProgress,
+    /// The samples the stage's replicas claim in their shares, checked against the drivers'
+    /// tallies of their routes.
+    claims: ClaimCheck,
+    /// Members whose credit is below [`DISCOUNTED`], with the lowest credit told.
+    discounted: BTreeMap<PeerKey, f64>,
     /// A DiLoCo local step is queued.
     local_step_queued: bool,
     /// A round's result (or a catch-up) is being applied.
@@ -160,6 +167,8 @@ impl StepCoordinator {
             last_loss: None,
             last_collected: now,
             progress: StageProgress::default(),
+            claims: ClaimCheck::default(),
+            discounted: BTreeMap::new(),
             local_step_queued: false,
             applying_round: false,
             inner_steps: 0,
@@ -345,6 +354,16 @@ impl StepCoordinator {
         }
     }
 
+    /// The averaging round a microbatch committed now counts in (what a driver or a hop
+    /// tallies it toward, see [`super::claims`]): the round being collected (allreduce), the
+    /// outer round under way (DiLoCo, where microbatches are started for local steps).
+    pub fn claim_round(&self) -> u64 {
+        match self.settings.sync {
+            SyncMode::AllReduce => self.collecting_round(),
+            SyncMode::DiLoCo { .. } => self.round,
+        }
+    }
+
     /// The round new commits count toward: the next one once this replica's contribution to
     /// the current round is taken (allreduce); the local step in DiLoCo.
     pub fn collecting_round(&self) -> u64 {
@@ -360,7 +379,7 @@ impl StepCoordinator {
     /// behind holds the run; a single replica behind catches up on its own, and an identity
     /// that announces an old round (one banned by its stage, or lying) holds nobody back.
     fn slowest_stage_round(&self, members: &Membership) -> u64 {
-        let mut furthest: std::collections::BTreeMap<u32, u64> = std::collections::BTreeMap::new();
+        let mut furthest: BTreeMap<u32, u64> = BTreeMap::new();
         for (_, m) in members.iter() {
             if let (MemberState::Serving, Some(stage)) =
                 (&m.announcement.state, m.announcement.stage)
@@ -451,8 +470,69 @@ impl StepCoordinator {
         self.progress.update(from, round, samples, in_flight)
     }
 
+    /// A witness of this stage's claims (a driver, or for the first stage a second-stage
+    /// replica) that completed `completed` rounds announced the samples it committed with each
+    /// replica lately (see [`super::claims`]).
+    pub fn heard_routes(
+        &mut self,
+        witness: PeerKey,
+        completed: u64,
+        routed: &Routed,
+        members: &Membership,
+        stage: u32,
+    ) {
+        if routed.rows.is_empty() && !self.claims.waits_for(witness) {
+            return;
+        }
+        // A hop not known yet may be a replica of this stage this peer has not heard of: its
+        // rows count (the first tally of a round heard is the one kept).
+        let mine = |k| {
+            members
+                .get(k)
+                .is_none_or(|m| m.announcement.stage == Some(stage))
+        };
+        self.claims.heard(witness, completed, routed, mine);
+    }
+
+    /// The credit of each stage-mate whose claims exceeded what its witnesses saw (see
+    /// [`super::claims`]).
+    pub fn credits(&self) -> &BTreeMap<PeerKey, f64> {
+        &self.rounds.credits
+    }
+
+    /// This replica serves another stage now: its check of the last one's claims goes.
+    pub fn left_stage(&mut self) {
+        self.claims.clear();
+        self.discounted.clear();
+        self.rounds.credits.clear();
+    }
+
+    /// The round `key` of this stage finished with these claims: checks what can be checked
+    /// and sets the weights of the rounds to come.
+    fn check_claims(&mut self, out: &mut Outbox, key: RoundKey, claims: &[(PeerKey, f64)]) {
+        self.claims.claimed(key.index, claims);
+        self.claims.settle();
+        self.rounds.credits = self.claims.credits();
+        for (&peer, &credit) in &self.rounds.credits {
+            // Told on the first fall below the mark and on every halving after it.
+            let told = self
+                .discounted
+                .get(&peer)
+                .copied()
+                .unwrap_or(2.0 * DISCOUNTED);
+            if credit < told / 2.0 {
+                self.discounted.insert(peer, credit);
+                out.event(Event::Discounted { peer, credit });
+            }
+        }
+        let credits = &self.rounds.credits;
+        self.discounted
+            .retain(|k, _| credits.get(k).is_some_and(|c| *c < DISCOUNTED));
+    }
+
     /// A replica is gone: its progress no longer counts.
     pub fn forget(&mut self, peer: PeerKey, now: Duration) {
+        self.claims.forget(peer);
         self.progress.forget(peer);
         self.rounds.member_gone(peer, now);
     }
@@ -692,6 +772,7 @@ impl StepCoordinator {
                         self.joined = false;
                     }
                     out.evidence.extend_from_slice(&result.evidence);
+                    self.check_claims(out, key, &result.claims);
                     out.finished_groups.push((key.stage, result.group.clone()));
                     self.round_group = result.group.len();
                     self.round_samples = result.samples;
@@ -724,7 +805,15 @@ impl StepCoordinator {
     /// `samples` (allreduce), or its pseudo-gradient (DiLoCo), weighted here by the samples
     /// behind it. Returns whether the samples collected were handed over (allreduce): the
     /// other replicas should hear of it.
-    pub fn on_gradient(&mut self, values: Vec<f32>, samples: f64, now: Duration) -> bool {
+    /// `claim` multiplies the samples the contribution claims (1 but for a scripted attacker,
+    /// see [`super::attack`]).
+    pub fn on_gradient(
+        &mut self,
+        values: Vec<f32>,
+        samples: f64,
+        claim: f64,
+        now: Duration,
+    ) -> bool {
         if !self.rounds.active() {
             return false;
         }
@@ -734,14 +823,14 @@ impl StepCoordinator {
                 self.last_collected = now;
                 let loss = (self.losses.1 > 0.0).then_some(self.losses.0);
                 self.losses = (0.0, 0.0);
-                self.rounds.contribute(values, samples, loss, now);
+                self.rounds.contribute(values, samples * claim, loss, now);
                 true
             }
             SyncMode::DiLoCo { .. } => {
                 let w = self.samples_since_outer as f32;
                 let scaled: Vec<f32> = values.iter().map(|v| v * w).collect();
-                self.rounds
-                    .contribute(scaled, self.samples_since_outer, None, now);
+                let samples = self.samples_since_outer * claim;
+                self.rounds.contribute(scaled, samples, None, now);
                 false
             }
         }

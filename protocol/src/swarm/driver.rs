@@ -365,8 +365,14 @@ impl Driver {
 
     /// The accepted attempt's backward pass finished here: the microbatch is committed, and
     /// every stage on its route is told to add its gradient. None if the attempt is not the
-    /// accepted one of a live microbatch (so nothing is ever committed twice).
-    pub fn commit(&mut self, out: &mut Outbox, attempt: u64, now: Duration) -> Option<Entry> {
+    /// accepted one of a live microbatch (so nothing is ever committed twice). Returns it with
+    /// the hops of its route past this driver.
+    pub fn commit(
+        &mut self,
+        out: &mut Outbox,
+        attempt: u64,
+        now: Duration,
+    ) -> Option<(Entry, Vec<PeerKey>)> {
         let entry = self.ledger.commit(attempt)?;
         let rtt = now.saturating_sub(entry.started).as_secs_f64();
         self.rtt = if self.rtt > 0.0 {
@@ -381,11 +387,14 @@ impl Driver {
             *last = std::mem::replace(current, f64::INFINITY);
             *count = 0;
         }
-        let route = self.routes.remove(&attempt).unwrap_or_default();
-        for hop in route.iter().skip(1) {
+        let mut hops = self.routes.remove(&attempt).unwrap_or_default();
+        if !hops.is_empty() {
+            hops.remove(0);
+        }
+        for hop in &hops {
             out.send(*hop, Message::Commit { id: attempt });
         }
-        Some(entry)
+        Some((entry, hops))
     }
 
     /// Forgets every microbatch in flight: the stage state they were started on is being
@@ -746,7 +755,8 @@ mod tests {
         // A second answer of the same attempt is stale: aborted along its route.
         assert_eq!(d.came_home(&mut out, ME, id, route.clone(), 12, 3, 6), None);
         out.drain();
-        let entry = d.commit(&mut out, id, 40 * MS).expect("committed");
+        let (entry, hops) = d.commit(&mut out, id, 40 * MS).expect("committed");
+        assert_eq!(hops, route[1..]);
         assert_eq!(entry.sample, d_sample(0));
         let sent: Vec<PeerKey> = out
             .drain()

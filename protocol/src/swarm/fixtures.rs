@@ -28,6 +28,7 @@ pub fn serving(stage: u32) -> Announcement {
         seq: 1,
         accuses: Vec::new(),
         held_out: None,
+        routed: Default::default(),
     }
 }
 

@@ -282,6 +282,16 @@ pub enum Event {
         /// Replicas of its stage counted, it included.
         replicas: usize,
     },
+    /// A replica of this peer's stage claimed more samples in its averaging shares than its
+    /// witnesses saw it commit: its weight in this peer's parts is `credit` times its claim's
+    /// (see [`super::claims`]). Told when the credit falls below
+    /// [`super::claims::DISCOUNTED`], and at every halving after.
+    Discounted {
+        /// Who.
+        peer: PeerKey,
+        /// What its witnesses saw over what it claimed, lately.
+        credit: f64,
+    },
 }
 
 /// What the peer wants done.

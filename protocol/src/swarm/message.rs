@@ -85,6 +85,32 @@ pub struct Announcement {
     /// The latest held-out evaluation of the run's model it knows of (see
     /// [`super::evaluation`]).
     pub held_out: Option<HeldOut>,
+    /// A witness's samples committed with each replica it witnesses for, in the rounds it
+    /// completed since it last told the peers this announcement goes to (see
+    /// [`super::claims`]); empty for other peers.
+    pub routed: Routed,
+}
+
+/// What a witness committed with the replicas it witnesses for, by round (see
+/// [`super::claims`]): rounds `first .. round` of its announcement (at most
+/// [`super::claims::ROUTED_ROUNDS`]), a round without an entry having none.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Routed {
+    /// The first round covered.
+    pub first: u64,
+    /// The tallies.
+    pub rows: Vec<RoutedRows>,
+}
+
+/// Samples committed through one hop toward one round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoutedRows {
+    /// The round.
+    pub round: u64,
+    /// The hop.
+    pub hop: PeerKey,
+    /// Samples.
+    pub rows: u32,
 }
 
 /// One held-out evaluation of the swarm's model.

@@ -24,6 +24,9 @@
 //! * [`averaging`]: one fault-tolerant, compressed reduce-scatter/all-gather round among the
 //!   replicas of a stage.
 //! * [`bans`]: accusations from a stage's own replicas, and bans once a majority accuses.
+//! * [`claims`]: the samples a replica's averaging shares claim, checked against what the
+//!   replicas it worked with (its witnesses) say it committed; a claim beyond the routes
+//!   weighs what they carried.
 //! * [`robust`]: the centered-clipping mean an averaging round's part owner computes, so
 //!   that no replica steers a part by more than the honest replicas' spread.
 //! * [`transfer`]: a joiner's download of a stage's state: hash-checked chunks pulled from
@@ -54,6 +57,7 @@ mod agreement;
 pub mod attack;
 pub mod averaging;
 pub mod bans;
+pub mod claims;
 pub mod config;
 mod coordinator;
 mod driver;

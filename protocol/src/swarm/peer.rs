@@ -12,6 +12,7 @@
 
 use super::attack::Attack;
 use super::bans::{self, Ban, Bans};
+use super::claims::{self, Tallies};
 use super::config::{RunConfig, RunId, StageCosts, SyncMode, Timing};
 use super::coordinator::{Settings, StepCoordinator};
 use super::driver::Driver;
@@ -20,7 +21,7 @@ use super::exports::StateExports;
 pub use super::interface::{Action, ComputeDone, Event, Input, Job, Output, PeerStats, Resume};
 use super::links::Links;
 use super::membership::{Dealer, Gossip, Membership, Routing, Standing};
-use super::message::{Announcement, MemberState, Message};
+use super::message::{Announcement, MemberState, Message, Routed};
 use super::outbox::Outbox;
 use super::placement::Placement;
 use super::role::{self, Phase, Role};
@@ -75,6 +76,14 @@ pub struct Peer {
     evaluator: Evaluator,
     /// Held-out microbatches this peer computes for evaluators.
     relays: Relays,
+    /// The samples this peer committed with each replica of the stage next to it lately: a
+    /// driver's through each later hop, a second-stage replica's for each driver (see
+    /// [`claims`]).
+    witness: Tallies,
+    /// The rounds whose tallies this peer's step announcements (to the peers near it) and its
+    /// periodic ones (to all) have covered.
+    told_near: u64,
+    told_all: u64,
     steps: StepCoordinator,
     exports: StateExports,
     bans: Bans,
@@ -126,6 +135,9 @@ impl Peer {
                 resume.map_or(0, |r| r.step),
             ),
             relays: Relays::default(),
+            witness: Tallies::default(),
+            told_near: 0,
+            told_all: 0,
             steps: StepCoordinator::new(settings, config.codecs.averaging, now),
             exports: StateExports::new(timing.transfer_timeout, costs.state_chunk_bytes()),
             bans: Bans::new(timing.announce_every * ACCUSATION_ANNOUNCEMENTS),
@@ -192,6 +204,12 @@ impl Peer {
     /// simulator's `behavior`, the node's test-only `--behavior`).
     pub fn set_attack(&mut self, attack: Attack) {
         self.attack = attack.is_attacker().then_some(attack);
+    }
+
+    /// The weight factor of each replica of this peer's stage whose averaging shares claimed
+    /// more samples than its witnesses saw it commit (see [`claims`]); the others have 1.
+    pub fn claim_credits(&self) -> &std::collections::BTreeMap<PeerKey, f64> {
+        self.steps.credits()
     }
 
     /// This peer's key.
@@ -330,8 +348,35 @@ impl Peer {
         super::membership::peers_needed(self.role.serving(), &self.members)
     }
 
-    /// The announcement this peer gossips next.
+    /// The announcement this peer gossips next (with no route tallies: those go to the peers
+    /// that check them, see [`Self::told_announcement`]).
     pub fn announcement(&mut self) -> Announcement {
+        let round = self.steps.round();
+        self.announcement_with(Routed {
+            first: round,
+            rows: Vec::new(),
+        })
+    }
+
+    /// An announcement with this peer's route tallies since it last told the same listeners
+    /// (`told`, moved up to now): each round's tally goes out about once per channel, not with
+    /// every announcement.
+    fn told_announcement(&mut self, told: fn(&mut Peer) -> &mut u64) -> Announcement {
+        let round = self.steps.round();
+        let routed = if matches!(self.role.serving(), Some(0 | 1)) {
+            let since = *told(self);
+            self.witness.routed(since, round)
+        } else {
+            Routed {
+                first: round,
+                rows: Vec::new(),
+            }
+        };
+        *told(self) = round;
+        self.announcement_with(routed)
+    }
+
+    fn announcement_with(&mut self, routed: Routed) -> Announcement {
         self.announcements += 1;
         self.announced_throughput = self.out.jobs.throughput();
         let (stage, state) = self.role.announced();
@@ -352,6 +397,7 @@ impl Peer {
             seq: self.announcements,
             accuses: self.bans.accusations(),
             held_out: self.evaluator.latest(),
+            routed,
         }
     }
 
@@ -367,7 +413,7 @@ impl Peer {
     /// forward every replica's every step. The last step goes to everyone: every stage waits
     /// for the others to finish.
     fn announce_near(&mut self) {
-        let a = self.announcement();
+        let a = self.told_announcement(|p| &mut p.told_near);
         if a.finished {
             self.out.push(Action::Announce(a));
             return;
@@ -617,7 +663,7 @@ impl Peer {
             let scale = self.costs.param_scale.max(1) as f64;
             self.steps.set_upload_pace(self.links.upload_pace() * scale);
             let plan = self.gossip.plan(self.role.serving(), &self.members);
-            let a = self.announcement();
+            let a = self.told_announcement(|p| &mut p.told_all);
             for k in plan.direct {
                 self.out.send(k, Message::Announce(a.clone()));
             }
@@ -689,10 +735,12 @@ impl Peer {
                 mut values,
                 samples,
             } => {
+                let mut claim = 1.0;
                 if let Some(a) = self.attack.as_mut() {
                     a.contribution(&mut values);
+                    claim = a.claim();
                 }
-                if self.steps.on_gradient(values, samples, now) {
+                if self.steps.on_gradient(values, samples, claim, now) {
                     self.send_progress();
                 }
             }
@@ -776,7 +824,11 @@ impl Peer {
             && a.throughput.is_finite()
             && a.throughput >= 0.0
             && a.loss.is_none_or(f32::is_finite)
-            && a.accuses.len() <= bans::MAX_ACCUSATIONS;
+            && a.accuses.len() <= bans::MAX_ACCUSATIONS
+            && a.routed.rows.len() <= claims::MAX_ROUTED
+            && a.routed.first <= a.round
+            && a.routed.first + claims::ROUTED_ROUNDS >= a.round
+            && (a.routed.rows.iter()).all(|r| (a.routed.first..a.round).contains(&r.round));
         if !in_range {
             self.out
                 .violation(from, "an announcement with values out of the run's range");
@@ -819,6 +871,10 @@ impl Peer {
         let Some(stage) = self.role.serving() else {
             return;
         };
+        if a.state == MemberState::Serving && a.stage == Some(claims::witnesses_of(stage)) {
+            self.steps
+                .heard_routes(from, a.round, &a.routed, &self.members, stage);
+        }
         if a.state != MemberState::Serving || a.stage != Some(stage) {
             return;
         }

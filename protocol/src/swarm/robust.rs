@@ -3,8 +3,10 @@
 //! members' own spread, whatever it sends.
 //!
 //! Each member's share is a sum over its samples with a claimed sample count. The owner turns
-//! it into a per-sample mean g_i and a weight w_i = min(claimed samples, the (lower) median claim):
-//! a peer that claims a huge batch weighs no more than a typical member. Starting from the
+//! it into a per-sample mean g_i and a weight w_i = min(claimed samples, the (lower) median claim)
+//! x its credit (what the replicas it worked with saw it commit over what it claimed, see
+//! [`super::claims`]): a peer that claims a huge batch weighs no more than a typical member,
+//! nor more than its routes carried. Starting from the
 //! coordinate-wise median, the centre moves by the weighted mean of the members' offsets, each
 //! offset clipped to the radius tau (Karimireddy et al., "Learning from History for Byzantine
 //! Robust Optimization"; BTARD runs the same rule per part). tau is the (lower) median distance
@@ -29,6 +31,20 @@ pub struct Share<'a> {
     pub values: &'a [f32],
     /// The samples it claims are behind the sum.
     pub samples: f64,
+    /// The factor on its weight from its claims checked against the routes, in (0, 1] (see
+    /// [`super::claims`]); its per-sample mean is still the sum over its claim.
+    pub credit: f64,
+}
+
+impl<'a> Share<'a> {
+    /// A share whose claim was not checked (or checked out): full credit.
+    pub fn new(values: &'a [f32], samples: f64) -> Self {
+        Share {
+            values,
+            samples,
+            credit: 1.0,
+        }
+    }
 }
 
 /// The robust mean of some shares.
@@ -161,7 +177,8 @@ pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
     }
     let cap = WEIGHT_CAP * lower_median(present.iter().map(|&i| shares[i].samples).collect());
     for &i in &present {
-        weights[i] = shares[i].samples.min(cap);
+        let credit = shares[i].credit.clamp(super::claims::MIN_CREDIT, 1.0);
+        weights[i] = shares[i].samples.min(cap) * credit;
     }
     // Shares are read in place: member j's per-sample mean at c is values[c] x inv[j].
     let vals: Vec<&[f32]> = present.iter().map(|&i| shares[i].values).collect();
@@ -388,7 +405,7 @@ pub(crate) mod tests {
         let s: Vec<Share> = sums
             .iter()
             .zip(samples)
-            .map(|(v, &samples)| Share { values: v, samples })
+            .map(|(v, &samples)| Share::new(v, samples))
             .collect();
         centered_clip(&s, len)
     }

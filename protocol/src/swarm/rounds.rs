@@ -45,6 +45,9 @@ pub(super) struct Rounds {
     /// part this replica owns, and leave the others out when it leads.
     pub forge_parts: bool,
     pub exclude_others: bool,
+    /// The factor on each member's weight in the parts this replica owns in rounds started
+    /// from now on (see [`super::claims`]).
+    pub credits: std::collections::BTreeMap<PeerKey, f64>,
     /// Banned peers: members no round waits for.
     banned: std::collections::BTreeSet<PeerKey>,
     /// Seconds per byte of this replica's encoded shares on its uplink, as measured: given
@@ -83,6 +86,7 @@ impl Rounds {
             passed_over: Vec::new(),
             forge_parts: false,
             exclude_others: false,
+            credits: std::collections::BTreeMap::new(),
             banned: std::collections::BTreeSet::new(),
             upload_pace: None,
             newcomer: false,
@@ -164,6 +168,7 @@ impl Rounds {
         };
         round.forge_part = self.forge_parts;
         round.exclude_others = self.exclude_others;
+        round.credits.clone_from(&self.credits);
         round.gone.clone_from(&self.banned);
         self.install(round);
         self.leader_seen = false;
@@ -189,6 +194,7 @@ impl Rounds {
         self.leader_seen = false;
         let mut round = Round::follow(key, self.me, leader, len, self.codec, self.timing, now);
         round.forge_part = self.forge_parts;
+        round.credits.clone_from(&self.credits);
         round.gone.clone_from(&self.banned);
         self.install(round);
     }

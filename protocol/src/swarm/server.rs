@@ -40,6 +40,8 @@ pub(super) struct Hop {
 /// An attempt whose gradient waits for (or is in) its commit job.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) struct PendingCommit {
+    /// The microbatch's driver.
+    pub driver: PeerKey,
     /// The microbatch's first sample.
     pub sample: u64,
     /// Samples in it.
@@ -437,7 +439,8 @@ impl StageServer {
             out.compute(Job::Abort { id: attempt });
             return;
         }
-        self.expect_commit(attempt, h.sample, h.rows, h.loss);
+        let driver = h.route.first().copied().unwrap_or(from);
+        self.expect_commit(attempt, driver, h.sample, h.rows, h.loss);
         self.commit(out, attempt);
     }
 
@@ -461,9 +464,21 @@ impl StageServer {
     }
 
     /// Records an attempt whose gradient will be committed.
-    pub fn expect_commit(&mut self, attempt: u64, sample: u64, rows: u32, loss: Option<f32>) {
-        self.committing
-            .insert(attempt, PendingCommit { sample, rows, loss });
+    pub fn expect_commit(
+        &mut self,
+        attempt: u64,
+        driver: PeerKey,
+        sample: u64,
+        rows: u32,
+        loss: Option<f32>,
+    ) {
+        let commit = PendingCommit {
+            driver,
+            sample,
+            rows,
+            loss,
+        };
+        self.committing.insert(attempt, commit);
     }
 
     /// The loss recorded with a pending commit.

@@ -6,7 +6,7 @@
 
 use shoal_protocol::codec::{TENSOR_HEADER_LEN, encode_to_vec};
 use shoal_protocol::swarm::message::{
-    Accusation, Backward, Forward, Misconduct, RoundKey, RoundMsg, StateChunk,
+    Accusation, Backward, Forward, Misconduct, RoundKey, RoundMsg, Routed, RoutedRows, StateChunk,
 };
 use shoal_protocol::swarm::{
     Action, Announcement, ComputeDone, DataSource, HeldOut, Job, MemberState, Message, Output,
@@ -117,6 +117,7 @@ fn announcement(stage: Option<u32>, state: MemberState, round: u64, seq: u64) ->
         seq,
         accuses: Vec::new(),
         held_out: None,
+        routed: Routed::default(),
     }
 }
 
@@ -268,6 +269,18 @@ impl Exercise {
                         why: Misconduct::OpposedTheStage,
                     })
                     .collect(),
+                // Tallies of routes it may never have driven: any round, any hop, any count,
+                // up to more entries than an announcement may carry.
+                routed: Routed {
+                    first: small(b, round),
+                    rows: (0..[0, 3, 40, 2_100][b.u8() as usize % 4])
+                        .map(|_| RoutedRows {
+                            round: small(b, round),
+                            hop: PeerKey(b.u8() as u64 % 8),
+                            rows: [1, 8, u32::MAX][b.u8() as usize % 3],
+                        })
+                        .collect(),
+                },
                 ..announcement(
                     Some(stage),
                     [

@@ -5,6 +5,7 @@
 use super::{Phase, Round, RoundMsg, RoundOut};
 use crate::swarm::PeerKey;
 use crate::swarm::bans::Evidence;
+use crate::swarm::claims::MIN_CREDIT;
 use crate::swarm::robust::{self, Share};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,18 +28,27 @@ impl Round {
         let members: Vec<PeerKey> = self.shares.keys().copied().collect();
         let shares: Vec<Share> = self
             .shares
-            .values()
-            .map(|(values, samples, _)| Share {
+            .iter()
+            .map(|(k, (values, samples, _))| Share {
                 values,
                 samples: *samples,
+                credit: self.credits.get(k).copied().unwrap_or(1.0),
             })
             .collect();
+        self.claims = (self.shares.iter())
+            .filter(|(k, _)| **k != self.me)
+            .map(|(k, (_, s, _))| (*k, *s))
+            .collect();
         let robust = robust::centered_clip(&shares, r.len());
-        // The loss too is a mean over capped weights: a claimed batch buys no more say.
+        // The loss too is a mean over capped weights: a claimed batch buys no more say. It is
+        // a sum over the member's samples, so a claim beyond its routes would also lower its
+        // mean: per sample, it counts the samples its credit allows.
         let (mut loss_sum, mut loss_weight) = (0.0, 0.0);
-        for ((_, s, l), w) in self.shares.values().zip(&robust.weights) {
-            if let Some(l) = l.filter(|_| *s > 0.0) {
-                loss_sum += w * l / s;
+        for ((share, (_, _, l)), w) in shares.iter().zip(self.shares.values()).zip(&robust.weights)
+        {
+            let samples = share.samples * share.credit.clamp(MIN_CREDIT, 1.0);
+            if let Some(l) = l.filter(|_| samples > 0.0) {
+                loss_sum += w * l / samples;
                 loss_weight += w;
             }
         }

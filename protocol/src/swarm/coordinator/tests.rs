@@ -348,7 +348,7 @@ fn checkpoints_follow_the_schedule() {
     // Alone, the round finishes at once once the gradient comes.
     assert_eq!(out.jobs.next(MS), Some(Job::TakeGradient));
     out.jobs.finished(MS);
-    assert!(c.on_gradient(vec![1.0; 4], 8.0, MS));
+    assert!(c.on_gradient(vec![1.0; 4], 8.0, 1.0, MS));
     c.drain_round(&mut out, Some(1), &m, MS);
     assert!(matches!(out.jobs.next(MS), Some(Job::Step { .. })));
     out.jobs.finished(MS);
@@ -359,7 +359,7 @@ fn checkpoints_follow_the_schedule() {
     c.drain_round(&mut out, Some(1), &m, MS);
     out.jobs.next(MS);
     out.jobs.finished(MS);
-    c.on_gradient(vec![1.0; 4], 8.0, MS);
+    c.on_gradient(vec![1.0; 4], 8.0, 1.0, MS);
     c.drain_round(&mut out, Some(1), &m, MS);
     out.jobs.next(MS);
     out.jobs.finished(MS);

@@ -179,7 +179,8 @@ impl Peer {
                 let rows = if let Some(rows) = self.server.record_loss(id, loss) {
                     rows
                 } else if let Some((sample, rows)) = self.driver.came_home_locally(self.me, id) {
-                    self.server.expect_commit(id, sample, rows, Some(loss));
+                    let me = self.me;
+                    self.server.expect_commit(id, me, sample, rows, Some(loss));
                     rows
                 } else {
                     0
@@ -292,7 +293,7 @@ impl Peer {
                 self.service.answered(id, from, now);
                 self.members.set_checked(from, true, true);
                 self.server.gradient_norms.record(size);
-                self.server.expect_commit(id, sample, rows, None);
+                self.server.expect_commit(id, self.me, sample, rows, None);
                 self.out.compute(Job::Backward {
                     id,
                     grad: Some(grad),
@@ -317,10 +318,13 @@ impl Peer {
     pub(super) fn on_backward_done(&mut self, id: u64, grad: Option<Vec<f32>>, now: Duration) {
         if self.role.stage().unwrap_or(0) == 0 && self.driver.entry(id).is_some() {
             match self.driver.commit(&mut self.out, id, now) {
-                Some(entry) => {
+                Some((entry, hops)) => {
+                    let round = self.steps.claim_round();
+                    self.witness.record(round, &hops, entry.rows);
                     let loss = self.server.pending_loss(id);
+                    let me = self.me;
                     self.server
-                        .expect_commit(id, entry.sample, entry.rows, loss);
+                        .expect_commit(id, me, entry.sample, entry.rows, loss);
                     self.server.commit(&mut self.out, id);
                 }
                 None => self.out.compute(Job::Abort { id }),
@@ -351,6 +355,12 @@ impl Peer {
     }
 
     pub(super) fn on_committed(&mut self, c: PendingCommit, now: Duration) {
+        // A second-stage replica witnesses the drivers' counts, as they witness the later
+        // stages' (see [`super::super::claims`]).
+        if self.role.serving() == Some(1) && c.driver != self.me {
+            let round = self.steps.claim_round();
+            self.witness.record(round, &[c.driver], c.rows);
+        }
         self.steps.on_committed(c.rows, c.loss, now);
         self.out.event(Event::Committed { sample: c.sample });
         self.out.jobs.count_rows(c.rows);

@@ -22,6 +22,8 @@ impl Peer {
         let sources = self.pick_sources(stage, avoid, now);
         if self.role.stage().is_some_and(|s| s != stage) {
             self.bans.left_stage();
+            self.steps.left_stage();
+            self.witness = Default::default();
         }
         self.start_sync(stage, &sources, now);
         if sources.is_empty() {
