@@ -21,7 +21,7 @@ use super::exports::StateExports;
 pub use super::interface::{Action, ComputeDone, Event, Input, Job, Output, PeerStats, Resume};
 use super::links::Links;
 use super::membership::{Dealer, Gossip, Membership, Routing, Standing};
-use super::message::{Announcement, MemberState, Message, Routed};
+use super::message::{Announcement, MemberState, Message};
 use super::outbox::Outbox;
 use super::placement::Placement;
 use super::role::{self, Phase, Role};
@@ -31,6 +31,7 @@ use super::service::Service;
 use super::{PeerKey, SeededRng};
 use std::time::Duration;
 
+mod announcing;
 mod evaluation;
 mod microbatch;
 mod syncing;
@@ -346,86 +347,6 @@ impl Peer {
     /// caps by.
     pub fn peers_needed(&self) -> usize {
         super::membership::peers_needed(self.role.serving(), &self.members)
-    }
-
-    /// The announcement this peer gossips next (with no route tallies: those go to the peers
-    /// that check them, see [`Self::told_announcement`]).
-    pub fn announcement(&mut self) -> Announcement {
-        let round = self.steps.round();
-        self.announcement_with(Routed {
-            first: round,
-            rows: Vec::new(),
-        })
-    }
-
-    /// An announcement with this peer's route tallies since it last told the same listeners
-    /// (`told`, moved up to now): each round's tally goes out about once per channel, not with
-    /// every announcement.
-    fn told_announcement(&mut self, told: fn(&mut Peer) -> &mut u64) -> Announcement {
-        let round = self.steps.round();
-        let routed = if matches!(self.role.serving(), Some(0 | 1)) {
-            let since = *told(self);
-            self.witness.routed(since, round)
-        } else {
-            Routed {
-                first: round,
-                rows: Vec::new(),
-            }
-        };
-        *told(self) = round;
-        self.announcement_with(routed)
-    }
-
-    fn announcement_with(&mut self, routed: Routed) -> Announcement {
-        self.announcements += 1;
-        self.announced_throughput = self.out.jobs.throughput();
-        let (stage, state) = self.role.announced();
-        Announcement {
-            stage,
-            state,
-            throughput: self.announced_throughput as f32,
-            queue: self.out.jobs.queued(),
-            step: self.steps.step(),
-            round: self.steps.round(),
-            params_hash: self.steps.params_hash(),
-            finished: self.is_finished(),
-            newcomer: self.steps.newcomer(stage, &self.members),
-            loss: self.steps.last_loss(),
-            memory: self.memory,
-            offloads: self.offloads,
-            incarnation: self.incarnation,
-            seq: self.announcements,
-            accuses: self.bans.accusations(),
-            held_out: self.evaluator.latest(),
-            routed,
-        }
-    }
-
-    /// The peer is shutting down: tell the others.
-    pub fn leave(&mut self) -> Announcement {
-        let mut a = self.announcement();
-        a.state = MemberState::Leaving;
-        a
-    }
-
-    /// A step: the peers that need it at once (this stage's replicas for the hash vote, the
-    /// stages next to it) are told directly; gossip would make every peer of a large swarm
-    /// forward every replica's every step. The last step goes to everyone: every stage waits
-    /// for the others to finish.
-    fn announce_near(&mut self) {
-        let a = self.told_announcement(|p| &mut p.told_near);
-        if a.finished {
-            self.out.push(Action::Announce(a));
-            return;
-        }
-        for k in super::membership::near_peers(self.role.serving(), &self.members) {
-            self.out.send(k, Message::Announce(a.clone()));
-        }
-    }
-
-    fn announce(&mut self) {
-        let a = self.announcement();
-        self.out.push(Action::Announce(a));
     }
 
     fn allreduce(&self) -> bool {
