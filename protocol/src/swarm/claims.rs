@@ -154,23 +154,23 @@ impl ClaimCheck {
             .max(completed.saturating_sub(ROUTED_ROUNDS))
             .max(self.newest.saturating_sub(PENDING_ROUNDS));
         let last = completed.min(self.newest.saturating_add(PENDING_ROUNDS));
-        for round in first..last {
-            let w = self.witnessed.entry(round).or_default();
-            if !w.witnesses.insert(witness) {
+        // The rounds this witness tells of for the first time; then one pass over its rows.
+        let fresh: BTreeSet<u64> = (first..last)
+            .filter(|round| {
+                let w = self.witnessed.entry(*round).or_default();
+                w.witnesses.insert(witness)
+            })
+            .collect();
+        for r in routed.rows.iter().filter(|r| fresh.contains(&r.round)) {
+            let Some(w) = self.witnessed.get_mut(&r.round) else {
+                continue;
+            };
+            if !mine(r.hop) || (w.rows.len() >= MAX_HOPS && !w.rows.contains_key(&r.hop)) {
                 continue;
             }
-            for r in routed
-                .rows
-                .iter()
-                .filter(|r| r.round == round && mine(r.hop))
-            {
-                if w.rows.len() >= MAX_HOPS && !w.rows.contains_key(&r.hop) {
-                    continue;
-                }
-                *w.rows.entry(r.hop).or_default() += f64::from(r.rows);
-                let newest = self.active.entry(witness).or_default();
-                *newest = (*newest).max(round);
-            }
+            *w.rows.entry(r.hop).or_default() += f64::from(r.rows);
+            let newest = self.active.entry(witness).or_default();
+            *newest = (*newest).max(r.round);
         }
     }
 
