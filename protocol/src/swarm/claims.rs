@@ -74,10 +74,10 @@ pub struct Tallies {
 impl Tallies {
     /// A microbatch of `rows` samples counted toward `round` was committed with `peers` (a
     /// driver: its route's later hops; a second-stage replica: the driver).
-    pub fn record(&mut self, round: u64, hops: &[PeerKey], rows: u32) {
+    pub fn record(&mut self, round: u64, peers: &[PeerKey], rows: u32) {
         let tally = self.rounds.entry(round).or_default();
-        for &hop in hops {
-            let n = tally.entry(hop).or_default();
+        for &peer in peers {
+            let n = tally.entry(peer).or_default();
             *n = n.saturating_add(rows);
         }
         // Commits count toward the round being collected or the next; older ones are done.

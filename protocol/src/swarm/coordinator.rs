@@ -110,10 +110,11 @@ pub(super) struct StepCoordinator {
     last_collected: Duration,
     /// The other replicas' latest progress reports.
     progress: StageProgress,
-    /// The samples the stage's replicas claim in their shares, checked against the drivers'
-    /// tallies of their routes.
+    /// The samples the stage's replicas claim in their shares, checked against their
+    /// witnesses' tallies.
     claims: ClaimCheck,
-    /// Members whose credit is below [`DISCOUNTED`], with the lowest credit told.
+    /// Members whose credit is below [`super::claims::DISCOUNTED`], with the lowest credit
+    /// told.
     discounted: BTreeMap<PeerKey, f64>,
     /// A DiLoCo local step is queued.
     local_step_queued: bool,

@@ -584,7 +584,8 @@ impl Peer {
             let scale = self.costs.param_scale.max(1) as f64;
             self.steps.set_upload_pace(self.links.upload_pace() * scale);
             let plan = self.gossip.plan(self.role.serving(), &self.members);
-            let a = self.told_announcement(|p| &mut p.told_all);
+            let a = self.announcement_since(self.told_all);
+            self.told_all = a.round;
             for k in plan.direct {
                 self.out.send(k, Message::Announce(a.clone()));
             }

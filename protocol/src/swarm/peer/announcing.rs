@@ -8,7 +8,7 @@ use crate::swarm::message::{Announcement, MemberState, Message, Routed};
 
 impl Peer {
     /// The announcement this peer gossips next (with no route tallies: those go to the peers
-    /// that check them, see [`Self::told_announcement`]).
+    /// that check them, in `announcement_since`).
     pub fn announcement(&mut self) -> Announcement {
         let round = self.steps.round();
         self.announcement_with(Routed {
@@ -17,21 +17,20 @@ impl Peer {
         })
     }
 
-    /// An announcement with this peer's route tallies since it last told the same listeners
-    /// (`told`, moved up to now): each round's tally goes out about once per channel, not with
-    /// every announcement.
-    pub(super) fn told_announcement(&mut self, told: fn(&mut Peer) -> &mut u64) -> Announcement {
+    /// An announcement with this peer's route tallies of the rounds since `told`, the round
+    /// up to which it last told the same listeners (the caller keeps the announcement's
+    /// `round` as the next `told`): each round's tally goes out about once per channel, not
+    /// with every announcement.
+    pub(super) fn announcement_since(&mut self, told: u64) -> Announcement {
         let round = self.steps.round();
         let routed = if matches!(self.role.serving(), Some(0 | 1)) {
-            let since = *told(self);
-            self.witness.routed(since, round)
+            self.witness.routed(told, round)
         } else {
             Routed {
                 first: round,
                 rows: Vec::new(),
             }
         };
-        *told(self) = round;
         self.announcement_with(routed)
     }
 
@@ -72,7 +71,8 @@ impl Peer {
     /// forward every replica's every step. The last step goes to everyone: every stage waits
     /// for the others to finish.
     pub(super) fn announce_near(&mut self) {
-        let a = self.told_announcement(|p| &mut p.told_near);
+        let a = self.announcement_since(self.told_near);
+        self.told_near = a.round;
         if a.finished {
             self.out.push(Action::Announce(a));
             return;

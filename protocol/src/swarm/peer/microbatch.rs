@@ -179,8 +179,8 @@ impl Peer {
                 let rows = if let Some(rows) = self.server.record_loss(id, loss) {
                     rows
                 } else if let Some((sample, rows)) = self.driver.came_home_locally(self.me, id) {
-                    let me = self.me;
-                    self.server.expect_commit(id, me, sample, rows, Some(loss));
+                    self.server
+                        .expect_commit(id, self.me, sample, rows, Some(loss));
                     rows
                 } else {
                     0
@@ -322,9 +322,8 @@ impl Peer {
                     let round = self.steps.claim_round();
                     self.witness.record(round, &hops, entry.rows);
                     let loss = self.server.pending_loss(id);
-                    let me = self.me;
                     self.server
-                        .expect_commit(id, me, entry.sample, entry.rows, loss);
+                        .expect_commit(id, self.me, entry.sample, entry.rows, loss);
                     self.server.commit(&mut self.out, id);
                 }
                 None => self.out.compute(Job::Abort { id }),
