@@ -14,7 +14,12 @@ impl Sim {
             self.note_credits(i);
         }
         match e {
-            Event::Stepped { step, loss, .. } if stage == Some(last) => {
+            // The run's loss and steps are the honest replicas': an attacker at the last stage
+            // reports losses on its own targets (`label-flip`) or claims (`inflate`), and once
+            // banned it steps alone.
+            Event::Stepped { step, loss, .. }
+                if stage == Some(last) && !self.peers[i].attacker() =>
+            {
                 // The run's step: the last stage's in allreduce mode; in DiLoCo, where each
                 // replica steps on its own share, the global batches the stage has trained.
                 let step = match self.config.sync {

@@ -12,7 +12,9 @@
 //! * settle: a replica that just started serving waits one announcement period before
 //!   starting a round, so that replicas starting together have heard of each other;
 //! * starving: a stage that lost samples of a step closes its round with what it has once
-//!   the next step's microbatches wait at it and nothing arrived for the join window;
+//!   the next step's microbatches wait at it and nothing arrived for the join window (two
+//!   steps' time when a replica of the stage left or was banned lately; what it had
+//!   reported collecting counts as lost, not as awaited);
 //! * laggards: a stage more than a round ahead of another starts no new work (see
 //!   [`Demand::ahead`]);
 //! * catch-up and the hash vote (see [`agreement`](super::agreement)).
@@ -133,6 +135,14 @@ pub(super) struct StepCoordinator {
     state_source: Option<PeerKey>,
     /// When to look again at a stage that may be starving.
     starve_check: Option<Duration>,
+    /// The round being collected when a replica of the stage that had reported progress
+    /// left or was banned: it took work of that round and of the next with it (the starving
+    /// rule then waits less).
+    replica_lost_in: Option<u64>,
+    /// When this replica last contributed to a round (allreduce), and the time between its
+    /// contributions lately: how long a step of the stage takes.
+    contributed_at: Option<Duration>,
+    step_time: Option<Duration>,
     /// No round starts before this (see the module docs).
     settle_until: Option<Duration>,
     /// When to try again a round that failed for this replica (see
@@ -180,6 +190,9 @@ impl StepCoordinator {
             round_loss: None,
             catch_up: CatchUp::default(),
             starve_check: None,
+            replica_lost_in: None,
+            contributed_at: None,
+            step_time: None,
             settle_until: None,
             retry_at: None,
             stats: StepStats::default(),
@@ -474,7 +487,9 @@ impl StepCoordinator {
     /// A replica is gone: its progress no longer counts.
     pub fn forget(&mut self, peer: PeerKey, now: Duration) {
         self.claims.forget(peer);
-        self.progress.forget(peer);
+        if self.progress.forget(peer) {
+            self.replica_lost_in = Some(self.round);
+        }
         self.rounds.member_gone(peer, now);
     }
 
@@ -531,7 +546,15 @@ impl StepCoordinator {
         }
         match self.settings.sync {
             SyncMode::AllReduce => {
-                let total = self.accumulated + self.progress.reported(&replicas, self.round, false);
+                let mut total =
+                    self.accumulated + self.progress.reported(&replicas, self.round, false);
+                // What a replica that is gone (banned, left) had collected of the step was
+                // committed by the drivers and will not come again. The first stage's drivers
+                // refill what one of them lost; a later stage has nobody to do that, and
+                // would wait for the starving rule below.
+                if stage > 0 {
+                    total += self.progress.lost(self.round);
+                }
                 // A stage that lost samples (a replica died with what it had collected, or
                 // re-synced) would wait forever for them: the drivers have moved on, and
                 // every sample they send counts at every stage alike. The evidence is a
@@ -546,8 +569,17 @@ impl StepCoordinator {
                 let evidence = next_waiting.is_some() || (behind && total > 0.0);
                 let since =
                     next_waiting.map_or(self.last_collected, |t| t.max(self.last_collected));
+                // How long nothing must come. When a replica of the stage is gone, the
+                // missing samples most likely went with it: once the next step's work waits
+                // here, two steps' time without a sample is enough.
                 let join_window = self.settings.timing.join_window;
-                let starving = evidence && now.saturating_sub(since) >= join_window;
+                let quiet = match self.step_time {
+                    Some(t) if self.replica_lost_in.is_some_and(|r| self.round <= r + 1) => {
+                        (2 * t).min(join_window)
+                    }
+                    _ => join_window,
+                };
+                let starving = evidence && now.saturating_sub(since) >= quiet;
                 // A leader that started this round without this replica took its own samples
                 // (and those of any that followed it) out of the step: they will not come.
                 let excluded = self.rounds.excluded_in(self.round);
@@ -555,7 +587,7 @@ impl StepCoordinator {
                     self.starve_check = None;
                     self.rounds.begin(key, &leaders, &replicas, len, now);
                 } else if evidence {
-                    self.starve_check = Some(since + join_window);
+                    self.starve_check = Some(since + quiet);
                 }
             }
             SyncMode::DiLoCo { h, .. } => {
@@ -760,6 +792,11 @@ impl StepCoordinator {
         }
         match self.settings.sync {
             SyncMode::AllReduce => {
+                if let Some(at) = self.contributed_at {
+                    let d = now.saturating_sub(at);
+                    self.step_time = Some(self.step_time.map_or(d, |t| (3 * t + d) / 4));
+                }
+                self.contributed_at = Some(now);
                 self.accumulated = 0.0;
                 self.last_collected = now;
                 let loss = (self.losses.1 > 0.0).then_some(self.losses.0);

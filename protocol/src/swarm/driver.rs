@@ -309,6 +309,50 @@ impl Driver {
         self.ledger.fail_hop(peer, now);
     }
 
+    /// A hop of the attempt's route rejected it: retry now. If it had come home and is not
+    /// committed yet, a hop after the rejecting one is gone with its part of the work (see
+    /// [`Driver::hop_gone`]): it is retried all the same.
+    pub fn rejected(&mut self, out: &mut Outbox, attempt: u64, now: Duration) {
+        if self.routes.contains_key(&attempt) {
+            self.retry_accepted(out, attempt, None, now);
+        } else {
+            self.ledger.fail(attempt, now);
+        }
+    }
+
+    /// `peer` is gone (it left, or was banned): attempts whose first hop it was are retried
+    /// now, and so are attempts that came home through it and are not committed yet. Their
+    /// work at `peer` would never be added to its stage's step, so committing them would
+    /// leave that stage short of the step's samples while the others had them all.
+    pub fn hop_gone(&mut self, out: &mut Outbox, peer: PeerKey, now: Duration) {
+        self.ledger.fail_hop(peer, now);
+        let through: Vec<u64> = self
+            .routes
+            .iter()
+            .filter(|(_, route)| route.iter().skip(1).any(|h| *h == peer))
+            .map(|(a, _)| *a)
+            .collect();
+        for attempt in through {
+            self.retry_accepted(out, attempt, Some(peer), now);
+        }
+    }
+
+    /// Gives up an attempt that came home before it is committed: the rest of its route
+    /// (but `gone`) is told to throw its part away, and the microbatch is retried.
+    fn retry_accepted(
+        &mut self,
+        out: &mut Outbox,
+        attempt: u64,
+        gone: Option<PeerKey>,
+        now: Duration,
+    ) {
+        let route = self.routes.remove(&attempt).unwrap_or_default();
+        for hop in route.iter().skip(1).filter(|h| Some(**h) != gone) {
+            out.send(*hop, Message::Abort { id: attempt });
+        }
+        self.ledger.unaccept(attempt, now);
+    }
+
     /// The accepted attempt's backward pass failed here: the microbatch is retried.
     pub fn failed_locally(&mut self, attempt: u64, now: Duration) {
         self.ledger.unaccept(attempt, now);
@@ -773,6 +817,63 @@ mod tests {
         assert!(d.commit(&mut out, id, 50 * MS).is_none(), "at most once");
         // The round trip sets the deadline once it exceeds the configured floor.
         assert_eq!(d.microbatch_deadline(&t), t.microbatch_deadline);
+    }
+
+    /// An attempt home but not committed when a later hop of its route is gone (banned, or
+    /// left) or a hop tells of it: its work at that hop would never count at that stage,
+    /// so it is not committed; the rest of its route throws its part away, and the
+    /// microbatch is retried on the same sample at once.
+    #[test]
+    fn an_attempt_home_through_a_hop_that_is_gone_is_retried_not_committed() {
+        let t = timing();
+        let route = vec![ME, PeerKey(2), PeerKey(3)];
+        for rejected in [false, true] {
+            let mut d = Driver::new(7, Duration::ZERO);
+            let mut out = Outbox::new(ME);
+            d.pump(&mut out, ME, &demand(), 1, 2, &t, Duration::ZERO);
+            let Some(Job::Forward { id, .. }) = out.jobs.next(Duration::ZERO) else {
+                panic!("a forward job");
+            };
+            out.jobs.finished(Duration::ZERO);
+            d.sent(id, PeerKey(2));
+            assert!(
+                d.came_home(&mut out, ME, id, route.clone(), 12, 3, 6)
+                    .is_some()
+            );
+            out.drain();
+            // A peer on no route changes nothing.
+            d.hop_gone(&mut out, PeerKey(9), 10 * MS);
+            assert!(out.drain().is_empty());
+            if rejected {
+                d.rejected(&mut out, id, 10 * MS);
+            } else {
+                d.hop_gone(&mut out, PeerKey(3), 10 * MS);
+            }
+            let aborts: Vec<PeerKey> = out
+                .drain()
+                .into_iter()
+                .filter_map(|a| match a {
+                    Action::Send {
+                        to,
+                        msg: Message::Abort { .. },
+                    } => Some(to),
+                    _ => None,
+                })
+                .collect();
+            let expected: &[PeerKey] = if rejected { &route[1..] } else { &route[1..2] };
+            assert_eq!(aborts, expected);
+            assert!(d.commit(&mut out, id, 20 * MS).is_none());
+            assert_eq!(d.next_timeout(), Some(10 * MS));
+            assert!(!d.expire(&mut out, &t, 10 * MS));
+            let Some(Job::Forward {
+                id: retry, sample, ..
+            }) = out.jobs.next(Duration::ZERO)
+            else {
+                panic!("a retry");
+            };
+            assert_ne!(retry, id);
+            assert_eq!(sample, d_sample(0));
+        }
     }
 
     /// Attempt ids come from the peer's secret: the same key with another secret draws other

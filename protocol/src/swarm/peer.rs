@@ -427,7 +427,7 @@ impl Peer {
                 // rejection from a peer that serves no stage is not a hop's.
                 match self.members.get(from).map(|m| m.announcement.stage) {
                     Some(Some(_)) if self.evaluator.owns(id) => self.held_out_failed(id, now),
-                    Some(Some(_)) => self.driver.fail(id, now),
+                    Some(Some(_)) => self.driver.rejected(out, id, now),
                     Some(None) => {
                         out.violation(from, "a rejection from a peer that serves no stage")
                     }
@@ -540,7 +540,8 @@ impl Peer {
     pub fn handle_send_failed(&mut self, peer: PeerKey, now: Duration) {
         self.driver.fail_hop(peer, now);
         self.held_out_hop_failed(peer, now);
-        self.server.reject_routed_through(&mut self.out, peer);
+        self.server
+            .reject_routed_through(&mut self.out, peer, false);
         self.after(now);
     }
 
@@ -561,9 +562,9 @@ impl Peer {
         self.links.forget(peer);
         self.bans.forget(peer);
         self.steps.forget(peer, now);
-        self.driver.fail_hop(peer, now);
+        self.driver.hop_gone(&mut self.out, peer, now);
         self.held_out_hop_failed(peer, now);
-        self.server.reject_routed_through(&mut self.out, peer);
+        self.server.reject_routed_through(&mut self.out, peer, true);
         self.role
             .source_lost(peer, now, self.timing.transfer_timeout);
     }

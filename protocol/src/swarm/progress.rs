@@ -15,6 +15,10 @@ struct Report {
 #[derive(Debug, Default)]
 pub(super) struct StageProgress {
     reports: BTreeMap<PeerKey, Report>,
+    /// Samples of the latest round reported by replicas that are gone since (banned, left,
+    /// moved): their drivers committed them, and no replica of the stage will count them
+    /// again.
+    lost: (u64, f64),
 }
 
 impl StageProgress {
@@ -57,14 +61,35 @@ impl StageProgress {
             .sum()
     }
 
-    /// `peer` is gone: its reports no longer count.
-    pub fn forget(&mut self, peer: PeerKey) {
-        self.reports.remove(&peer);
+    /// `peer` is gone: its reports no longer count, and what it had collected of its
+    /// round is lost to the stage. Returns whether it had reported (it was a replica of
+    /// the stage).
+    pub fn forget(&mut self, peer: PeerKey) -> bool {
+        let Some(r) = self.reports.remove(&peer) else {
+            return false;
+        };
+        if r.round > self.lost.0 {
+            self.lost = (r.round, 0.0);
+        }
+        if r.round == self.lost.0 {
+            self.lost.1 += r.samples;
+        }
+        true
+    }
+
+    /// Samples committed toward `round` at replicas gone since.
+    pub fn lost(&self, round: u64) -> f64 {
+        if self.lost.0 == round {
+            self.lost.1
+        } else {
+            0.0
+        }
     }
 
     /// Forgets every report (they were about a stage no longer served).
     pub fn clear(&mut self) {
         self.reports.clear();
+        self.lost = (0, 0.0);
     }
 }
 
@@ -90,5 +115,24 @@ mod tests {
         assert_eq!(p.reported(&[PeerKey(7)], 0, false), 0.0);
         p.forget(PeerKey(7));
         assert_eq!(p.reported(&[PeerKey(7)], 1, true), 0.0);
+    }
+
+    /// What a replica that is gone had collected of the round counts as lost for that round
+    /// only; an older round's report adds nothing to a newer round's loss.
+    #[test]
+    fn the_samples_of_a_gone_replica_are_lost_to_its_round() {
+        let mut p = StageProgress::default();
+        assert!(p.update(PeerKey(1), 3, 16.0, 8.0));
+        assert!(p.update(PeerKey(2), 3, 8.0, 0.0));
+        assert!(p.update(PeerKey(3), 2, 24.0, 0.0));
+        p.forget(PeerKey(1));
+        p.forget(PeerKey(2));
+        p.forget(PeerKey(3));
+        p.forget(PeerKey(4));
+        assert_eq!(p.lost(3), 24.0);
+        assert_eq!(p.lost(2), 0.0);
+        assert_eq!(p.lost(4), 0.0);
+        p.clear();
+        assert_eq!(p.lost(3), 0.0);
     }
 }

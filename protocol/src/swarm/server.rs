@@ -517,10 +517,13 @@ impl StageServer {
         }
     }
 
-    /// `peer` is gone or unreachable: the drivers of hops waiting on it are told at once.
-    pub fn reject_routed_through(&mut self, out: &mut Outbox, peer: PeerKey) {
+    /// `peer` is unreachable, or `gone`: the drivers of hops waiting on it are told at once.
+    /// Gone, it also took its part of the hops whose gradient it already sent back: their
+    /// drivers are told too (the record stays: a commit sent before the driver heard still
+    /// counts here, as it did at the stages before).
+    pub fn reject_routed_through(&mut self, out: &mut Outbox, peer: PeerKey, gone: bool) {
         for (id, h) in &self.hops {
-            if h.next == Some(peer) && !h.backward_done {
+            if h.next == Some(peer) && (gone || !h.backward_done) {
                 if let Some(driver) = h.route.first() {
                     out.send(*driver, Message::Reject { id: *id });
                 }
@@ -867,8 +870,31 @@ mod tests {
         s.on_forward(&mut out, PREV, forward(2, 3), &at, Duration::ZERO);
         s.sent(1, PeerKey(7));
         s.sent(2, PeerKey(8));
-        s.reject_routed_through(&mut out, PeerKey(7));
+        s.reject_routed_through(&mut out, PeerKey(7), false);
         assert_eq!(sends(&mut out), [(DRIVER, Message::Reject { id: 1 })]);
+        // Its gradient back, hop 2 is done but for the commit: unreachable, its next hop
+        // holds it up no longer; gone, it took its part of the work, and the driver is told.
+        let back = Backward {
+            id: 2,
+            route: vec![DRIVER, PREV, ME, PeerKey(8)],
+            grad: Vec::new(),
+        };
+        assert!(s.on_backward(&mut out, PeerKey(8), back, vec![0.0; 8], &at, MS));
+        s.on_backward_done(
+            &mut out,
+            ME,
+            2,
+            Some(vec![0.0; 8]),
+            &at,
+            |_, _| Codec::Fp32,
+            MS,
+        );
+        out.drain();
+        s.reject_routed_through(&mut out, PeerKey(8), false);
+        assert!(sends(&mut out).is_empty());
+        s.reject_routed_through(&mut out, PeerKey(8), true);
+        assert_eq!(sends(&mut out), [(DRIVER, Message::Reject { id: 2 })]);
+        assert!(s.holds(2), "a commit sent meanwhile still counts here");
         s.abandon(&mut out);
         assert_eq!(sends(&mut out).len(), 2);
         assert_eq!(s.next_timeout(), None);

@@ -146,6 +146,47 @@ fn a_starving_stage_closes_its_round_with_what_it_has() {
     assert!(c.in_round());
 }
 
+/// A replica of a later stage that is gone (banned, left) took what it had collected of the
+/// step: the drivers committed those samples, so the stage counts them as lost rather than
+/// waiting for them; and what it had of the step's work in flight, while the next step's
+/// microbatches wait here, closes the round after two steps' time, not a join window.
+#[test]
+fn a_stage_that_lost_a_replica_does_not_wait_for_its_samples() {
+    let m = members(&[(8, 1, 0, None), (9, 1, 0, None)]);
+    let mut out = Outbox::new(ME);
+    let mut c = serving(SyncMode::AllReduce);
+    commit(&mut c, 4);
+    assert!(c.on_progress(PeerKey(8), 0, 2.0, 0.0));
+    assert!(c.on_progress(PeerKey(9), 0, 1.0, 0.0));
+    c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
+    assert!(!c.in_round(), "7 of 8 samples");
+    c.forget(PeerKey(9), MS);
+    let m = members(&[(8, 1, 0, None)]);
+    c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
+    assert!(!c.in_round(), "still 7 of 8: 1 here, 1 lost");
+    assert!(c.on_progress(PeerKey(8), 0, 3.0, 0.0));
+    c.maybe_begin_round(&mut out, Some(1), &m, None, MS);
+    assert!(c.in_round(), "8 of 8, 1 of them lost");
+
+    let mut c = serving(SyncMode::AllReduce);
+    c.step_time = Some(10 * MS);
+    commit(&mut c, 4);
+    let waiting = Some(Duration::from_secs(1));
+    c.maybe_begin_round(&mut out, Some(1), &m, waiting, Duration::from_secs(1));
+    assert_eq!(
+        c.next_timeout(),
+        Some(Duration::from_secs(1) + timing().join_window)
+    );
+    assert!(c.on_progress(PeerKey(8), 0, 1.0, 0.0));
+    c.forget(PeerKey(8), Duration::from_secs(1));
+    c.maybe_begin_round(&mut out, Some(1), &m, waiting, Duration::from_secs(1));
+    assert!(!c.in_round());
+    let check = Duration::from_secs(1) + 20 * MS;
+    assert_eq!(c.next_timeout(), Some(check));
+    c.handle_timeout(&mut out, Some(1), &m, waiting, check);
+    assert!(c.in_round());
+}
+
 #[test]
 fn a_replica_behind_catches_up_from_the_replica_ahead_and_downloads_if_it_cannot() {
     let m = members(&[(9, 1, 1, Some(3))]);
