@@ -427,7 +427,7 @@ impl Peer {
                 // rejection from a peer that serves no stage is not a hop's.
                 match self.members.get(from).map(|m| m.announcement.stage) {
                     Some(Some(_)) if self.evaluator.owns(id) => self.held_out_failed(id, now),
-                    Some(Some(_)) => self.driver.rejected(out, id, now),
+                    Some(Some(_)) => self.driver.rejected(out, from, id, now),
                     Some(None) => {
                         out.violation(from, "a rejection from a peer that serves no stage")
                     }
