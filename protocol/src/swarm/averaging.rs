@@ -18,7 +18,10 @@
 //! (zero there, as for a lost part). Members decide on the votes that reached them, as soon
 //! as those settle every part whatever the missing ones would say; liars
 //! fewer than the honest members that could tell cannot change the outcome, and where members
-//! still decide differently the hash vote after the round re-syncs the minority.
+//! still decide differently the hash vote after the round re-syncs the minority. An owner
+//! whose part every other member will clearly accept (it sees that in the shares it reduced)
+//! does not wait for the verdicts on it at all: with few members, that wait was most of the
+//! vote's cost.
 //!
 //! With a lossy codec, shares and parts carry error feedback across rounds ([`Feedback`]).
 //!
@@ -165,7 +168,13 @@ pub struct Round {
     group: Vec<PeerKey>,
     /// The attempt once the group is fixed ([`RoundKey::attempt`]).
     attempt: u64,
-    early: Vec<(PeerKey, RoundMsg)>,
+    /// Messages that came before this member could use them, with when they came.
+    early: Vec<(PeerKey, RoundMsg, Duration)>,
+    /// When the first share of this attempt reached this member (see `sure_to_be_kept`).
+    first_share_at: Option<Duration>,
+    /// This member's own part will be kept by the vote whatever the verdicts say, as far
+    /// as it can tell (`sure_to_be_kept`): it does not wait for them.
+    own_part_sure: bool,
     /// Members that left or were banned (before or during the round): not waited for.
     pub(super) gone: BTreeSet<PeerKey>,
     /// Shares of the part this member owns: values (sums) and samples per sender.
@@ -248,6 +257,8 @@ impl Round {
             group: Vec::new(),
             attempt: 0,
             early: Vec::new(),
+            first_share_at: None,
+            own_part_sure: false,
             gone: BTreeSet::new(),
             shares: BTreeMap::new(),
             owned_done: false,
@@ -443,6 +454,8 @@ impl Round {
         self.votes = vec![Vote::Abstain; self.group.len()];
         self.verdicts.clear();
         self.heard.clear();
+        self.first_share_at = None;
+        self.own_part_sure = false;
         self.zeroed.clear();
         self.out.push_back(RoundOut::NeedContribution);
     }
@@ -510,7 +523,10 @@ impl Round {
         self.phase = Phase::Exchanging;
         self.transfer = transfer_time(self.upload_pace, sent as f64);
         self.deadline = Some(now + self.patience());
-        for (from, msg) in std::mem::take(&mut self.early) {
+        for (from, msg, at) in std::mem::take(&mut self.early) {
+            if matches!(msg, RoundMsg::Part { .. }) && msg.attempt() == Some(self.attempt) {
+                self.first_share_at = Some(self.first_share_at.map_or(at, |t| t.min(at)));
+            }
             self.handle(from, msg, now);
         }
         self.maybe_reduce(now, false);
@@ -618,9 +634,9 @@ impl Round {
                 msg
                 @ (RoundMsg::Part { .. } | RoundMsg::Averaged { .. } | RoundMsg::Verdict { .. }),
             ) if self.early.len() < MAX_EARLY
-                && self.early.iter().filter(|(f, _)| *f == from).count() < EARLY_PER_SENDER =>
+                && self.early.iter().filter(|(f, ..)| *f == from).count() < EARLY_PER_SENDER =>
             {
-                self.early.push((from, msg))
+                self.early.push((from, msg, now))
             }
             (
                 Phase::Exchanging | Phase::Filling,
@@ -662,6 +678,7 @@ impl Round {
                     Some(v) => {
                         self.heard.insert(from);
                         self.shares.insert(from, (v, samples, loss));
+                        self.first_share_at = Some(self.first_share_at.unwrap_or(now).min(now));
                     }
                     None => self.violation(
                         from,

@@ -83,6 +83,7 @@ impl Round {
         } else {
             // The owner uses the decoded bytes too, so every replica holds the same values.
             let decoded = self.decode(&data, r.len()).unwrap_or(avg);
+            self.own_part_sure = all && self.sure_to_be_kept(&decoded, now);
             self.averaged[me] = Some(decoded);
             let data = Arc::new(data);
             for &k in &self.group {
@@ -101,6 +102,5 @@ impl Round {
             }
             self.encoded.insert(me as u32, (samples, loss, data));
         }
-        let _ = now;
     }
 }

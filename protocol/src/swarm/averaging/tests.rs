@@ -170,6 +170,24 @@ fn a_round_on_slow_uplinks_waits_for_what_they_need() {
     }
 }
 
+/// `from`'s share (`values` over `samples`, in fp32) of the part `r` owns, arriving at 1 ms.
+fn share_to_owner(r: &mut Round, from: PeerKey, values: &[f32], samples: f64) {
+    let part = r.my_index().expect("a member") as u32;
+    let data = crate::codec::encode_to_vec(Codec::Fp32, values, &[values.len()]).unwrap();
+    let attempt = r.attempt;
+    r.handle(
+        from,
+        RoundMsg::Part {
+            attempt,
+            part,
+            samples,
+            loss: None,
+            data,
+        },
+        MS,
+    );
+}
+
 /// Whether `r`'s evidence says `peer` delivered its work.
 fn delivered(r: &RoundResult, peer: PeerKey) -> Option<bool> {
     r.evidence.iter().find_map(|e| match *e {
@@ -178,19 +196,55 @@ fn delivered(r: &RoundResult, peer: PeerKey) -> Option<bool> {
     })
 }
 
-/// A member that sends its share and its part but keeps its verdicts, where its verdict is
-/// needed (two members: nobody else can vouch for the other's part): the other applies the
-/// round after half a round timeout, and counts it as work not delivered (three such rounds
-/// in a row accuse it of withholding).
+/// Members that send their shares and parts but keep their verdicts, where their verdicts
+/// are needed (four members, two of them silent: one acceptance besides this member's own
+/// cannot keep a part against two verdicts still out): the others apply the round after half
+/// a round timeout, and count it as work not delivered (three such rounds in a row accuse
+/// them of withholding).
 #[test]
 fn a_member_that_keeps_a_needed_verdict_has_not_delivered() {
-    let results = round_among(2, None, None, |from, msg| {
-        from == 1 && matches!(msg, RoundMsg::Verdict { .. })
+    let results = round_among(4, None, None, |from, msg| {
+        from >= 2 && matches!(msg, RoundMsg::Verdict { .. })
     });
     let (r, at) = results[0].as_ref().expect("finished");
     assert!(r.refused.is_empty() && r.zeroed.is_empty());
     assert!(*at >= timing().round_timeout / 2, "decided at {at:?}");
-    assert_eq!(delivered(r, PeerKey(1)), Some(false), "{:?}", r.evidence);
+    for silent in [PeerKey(2), PeerKey(3)] {
+        assert_eq!(delivered(r, silent), Some(false), "{:?}", r.evidence);
+    }
+}
+
+/// With a dense codec the owner sees in each member's share how that member will vote on its
+/// part: where every other member will clearly accept it and it went out in good time, the
+/// vote cannot refuse it, and the owner does not wait for verdicts on it. Two members, one
+/// keeping its verdicts: the other decides at once and holds nothing against it; a member
+/// whose share points elsewhere could refuse, and is waited for.
+#[test]
+fn an_owner_sure_of_its_part_does_not_wait_for_the_verdicts_on_it() {
+    let keeps_verdicts =
+        |from: usize, msg: &RoundMsg| from == 1 && matches!(msg, RoundMsg::Verdict { .. });
+    let results = round_among(2, None, None, keeps_verdicts);
+    let (r, at) = results[0].as_ref().expect("finished");
+    assert!(r.refused.is_empty() && r.zeroed.is_empty());
+    assert!(*at < timing().round_timeout / 2, "decided at {at:?}");
+    assert_eq!(delivered(r, PeerKey(1)), Some(true), "{:?}", r.evidence);
+
+    let key = RoundKey { stage: 1, index: 0 };
+    let (a, b) = (PeerKey(1), PeerKey(2));
+    let own: Vec<f32> = (0..8).map(|i| 1.0 + i as f32).collect();
+    for (theirs_sign, sure) in [(1.0f32, true), (-1.0, false)] {
+        let mut r = Round::lead(key, a, &[b], 8, Codec::Fp32, timing(), Duration::ZERO);
+        r.handle(b, RoundMsg::Join, Duration::ZERO);
+        while r.poll().is_some() {}
+        r.contribute(own.clone(), 2.0, None, Duration::ZERO);
+        let mine = r.my_index().unwrap();
+        let m = r.range(mine);
+        while r.poll().is_some() {}
+        // b's share of this member's part, along its own or against it.
+        let share: Vec<f32> = own[m].iter().map(|v| theirs_sign * v).collect();
+        share_to_owner(&mut r, b, &share, 2.0);
+        assert_eq!(r.own_part_sure, sure);
+    }
 }
 
 /// Where the verdicts that came settle every part whatever the missing one would say (three
@@ -310,18 +364,7 @@ fn a_part_the_members_refuse_is_applied_by_nobody() {
         let theirs = 1 - mine;
         let (m, t) = (r.range(mine), r.range(theirs));
         while r.poll().is_some() {}
-        let share = crate::codec::encode_to_vec(Codec::Fp32, &own[m.clone()], &[m.len()]);
-        r.handle(
-            b,
-            RoundMsg::Part {
-                attempt: r.attempt,
-                part: mine as u32,
-                samples: 2.0,
-                loss: None,
-                data: share.unwrap(),
-            },
-            MS,
-        );
+        share_to_owner(&mut r, b, &own[m.clone()], 2.0);
         // b's averaged part: this member's per-sample share of it, times the sign.
         let part: Vec<f32> = own[t.clone()].iter().map(|v| sign * v / 2.0).collect();
         let data = crate::codec::encode_to_vec(Codec::Fp32, &part, &[t.len()]).unwrap();

@@ -8,6 +8,11 @@ use crate::swarm::message::Vote;
 use crate::swarm::robust;
 use std::time::Duration;
 
+/// The cosine above which an owner counts on a member to accept its part: the member's vote
+/// compares the part with its own contribution, the owner only has the share it received (an
+/// encoding of it, with error feedback), so a margin over [`robust::VOTE_COSINE`].
+pub(super) const SURE_COSINE: f64 = robust::VOTE_COSINE + 0.1;
+
 impl Round {
     /// How this member finds part `j`, received from `from`: its vote on it, and (from its
     /// owner, not relayed while filling: a relayer did not compute it) the evidence against
@@ -30,6 +35,35 @@ impl Round {
         if Some(j) != self.my_index() && self.own_samples > 0.0 {
             self.votes[j] = judge(cosine, self.forge_part);
         }
+    }
+
+    /// Whether the vote will keep this member's own part (`part`, as every member decodes
+    /// it) whatever the verdicts on it say, so that it need not wait for them (with few
+    /// members, that wait is most of what the vote costs a round: a verdict from across the
+    /// swarm). It is sure when every other member still there sent a share with samples whose
+    /// cosine with the part is clearly above [`robust::VOTE_COSINE`] ([`SURE_COSINE`]: the
+    /// member judges with its own contribution, of which the share is an encoding), so every
+    /// honest one accepts, and liars, fewer than half of the group, cannot outnumber the
+    /// acceptances; and when the part goes out within half a round timeout of the first share
+    /// coming in, long before any member that sent one gives the part up (1.5 timeouts after
+    /// it sent its shares). A sparse codec's shares keep only some of a member's values, so
+    /// they tell nothing of its vote.
+    pub(super) fn sure_to_be_kept(&self, part: &[f32], now: Duration) -> bool {
+        let prompt = (self.first_share_at)
+            .is_some_and(|t| now.saturating_sub(t) < self.timing.round_timeout / 2);
+        prompt
+            && !self.codec.is_sparse()
+            && self
+                .group
+                .iter()
+                .filter(|k| **k != self.me && !self.gone.contains(k))
+                .all(|k| match self.shares.get(k) {
+                    Some((share, samples, _)) if *samples > 0.0 => {
+                        let (share, part) = robust::on_support(share, part);
+                        robust::cosine(&share, &part).is_some_and(|c| c > SURE_COSINE)
+                    }
+                    _ => false,
+                })
     }
 
     /// Every part is in, or given up on (`zeroed`): tell the others how this member found
@@ -101,7 +135,10 @@ impl Round {
         (0..self.group.len()).all(|j| {
             let open = pending.iter().filter(|k| **k != self.group[j]).count();
             let (accept, refuse) = count(&self.group, &ballots, j);
-            self.zeroed.contains(&(j as u32)) || accept >= refuse + open || refuse > accept + open
+            self.zeroed.contains(&(j as u32))
+                || (Some(j) == self.my_index() && self.own_part_sure)
+                || accept >= refuse + open
+                || refuse > accept + open
         })
     }
 
