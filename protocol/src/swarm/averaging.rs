@@ -525,7 +525,7 @@ impl Round {
         self.deadline = Some(now + self.patience());
         for (from, msg, at) in std::mem::take(&mut self.early) {
             if matches!(msg, RoundMsg::Part { .. }) && msg.attempt() == Some(self.attempt) {
-                self.first_share_at = Some(self.first_share_at.map_or(at, |t| t.min(at)));
+                self.share_arrived(at);
             }
             self.handle(from, msg, now);
         }
@@ -647,47 +647,7 @@ impl Round {
                     data,
                     ..
                 },
-            ) => {
-                let Some(me) = self.my_index() else { return };
-                if self.owned_done || self.gone.contains(&from) {
-                    // Late: the part was reduced (or is being reduced) without it.
-                    return;
-                }
-                // One share per member: a repeat (or a replay) does not replace the first.
-                if part as usize != me
-                    || !self.group.contains(&from)
-                    || self.shares.contains_key(&from)
-                {
-                    self.violation(from, "a part sent to a member that does not own it, twice, or from outside the group");
-                    return;
-                }
-                if !(samples.is_finite() && samples >= 0.0) || loss.is_some_and(|l| !l.is_finite())
-                {
-                    self.violation(from, "a part with a sample count or loss out of range");
-                    return;
-                }
-                let expect = self.range(me).len();
-                match self.decode(&data, expect) {
-                    Some(v)
-                        if !norms::within(norms::rms(&v) / samples.max(1.0), self.own_scale) =>
-                    {
-                        self.violation(from, "a part far larger than this member's own");
-                        // Counted as a member that contributed nothing.
-                        self.shares.insert(from, (Vec::new(), 0.0, None));
-                    }
-                    Some(v) => {
-                        self.heard.insert(from);
-                        self.shares.insert(from, (v, samples, loss));
-                        self.first_share_at = Some(self.first_share_at.unwrap_or(now).min(now));
-                    }
-                    None => self.violation(
-                        from,
-                        "a part that does not decode to finite values of its size",
-                    ),
-                }
-                self.maybe_reduce(now, false);
-                self.maybe_finish(now);
-            }
+            ) => self.on_share(from, part, samples, loss, data, now),
             (
                 Phase::Exchanging | Phase::Filling,
                 RoundMsg::Averaged {

@@ -5,9 +5,22 @@ use super::interface::{Action, Job};
 use super::membership::Membership;
 use super::message::{Announcement, MemberState, Message};
 use super::outbox::Outbox;
+use super::placement::Placement;
 use crate::Codec;
 use crate::codec::{TENSOR_HEADER_LEN, encode_to_vec};
 use std::time::Duration;
+
+/// Where `peer` serves: `stage`, at `throughput` samples/s, with `memory` bytes of device
+/// memory (0: not announced), not offloading.
+pub fn placement(peer: u64, stage: u32, throughput: f64, memory: u64) -> Placement {
+    Placement {
+        peer: PeerKey(peer),
+        stage,
+        throughput,
+        memory,
+        offloads: false,
+    }
+}
 
 /// A peer serving `stage` at round 0, measured at 1 sample/s, nothing queued.
 pub fn serving(stage: u32) -> Announcement {

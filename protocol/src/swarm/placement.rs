@@ -170,17 +170,11 @@ pub fn plan_move(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::swarm::SeededRng;
+    use crate::swarm::{SeededRng, fixtures};
 
     #[test]
     fn joiners_fill_empty_then_slow_stages() {
-        let p = |peer, stage, throughput| Placement {
-            peer: PeerKey(peer),
-            stage,
-            throughput,
-            memory: 0,
-            offloads: false,
-        };
+        let p = |peer, stage, throughput| fixtures::placement(peer, stage, throughput, 0);
         let needs = |n: [u64; 3]| {
             n.map(|resident| Need {
                 resident,
@@ -213,13 +207,7 @@ mod tests {
 
     #[test]
     fn no_move_to_a_stage_that_does_not_fit() {
-        let p = |peer, stage, throughput, memory| Placement {
-            peer: PeerKey(peer),
-            stage,
-            throughput,
-            memory,
-            offloads: false,
-        };
+        let p = fixtures::placement;
         let flops = [1.0, 1.0];
         let need = [4, 8].map(|resident| Need {
             resident,
@@ -248,13 +236,7 @@ mod tests {
     /// they must still agree on who moves.
     #[test]
     fn peers_that_measure_slightly_differently_agree_on_the_mover() {
-        let p = |peer, stage, throughput| Placement {
-            peer: PeerKey(peer),
-            stage,
-            throughput,
-            memory: 0,
-            offloads: false,
-        };
+        let p = |peer, stage, throughput| fixtures::placement(peer, stage, throughput, 0);
         let flops = [1.0, 1.0];
         let mut rng = SeededRng::new(9);
         for _ in 0..100 {

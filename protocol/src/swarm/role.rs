@@ -505,7 +505,7 @@ fn release(stage: u32, d: &mut Download) -> Vec<(PeerKey, Message)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::swarm::fixtures::serving;
+    use crate::swarm::fixtures::{self, serving};
     use crate::swarm::message::Announcement;
     use crate::swarm::transfer::{CHUNK_BYTES, chunk, state_hash};
 
@@ -535,13 +535,7 @@ mod tests {
     }
 
     fn place(peer: u64, stage: u32, throughput: f64) -> Placement {
-        Placement {
-            peer: PeerKey(peer),
-            stage,
-            throughput,
-            memory: 0,
-            offloads: false,
-        }
+        fixtures::placement(peer, stage, throughput, 0)
     }
 
     #[test]

@@ -1,16 +1,71 @@
-//! The owner's side of a round: the robust mean of the members' shares of its part, the
-//! evidence on each share, and the averaged part sent back to every member (one encoded
-//! buffer for all of them).
+//! The owner's side of a round: the members' shares of its part as they arrive, their robust
+//! mean, the evidence on each share, and the averaged part sent back to every member (one
+//! encoded buffer for all of them).
 
 use super::{Phase, Round, RoundMsg, RoundOut};
 use crate::swarm::PeerKey;
 use crate::swarm::bans::Evidence;
 use crate::swarm::claims::MIN_CREDIT;
+use crate::swarm::norms;
 use crate::swarm::robust::{self, Share};
 use std::sync::Arc;
 use std::time::Duration;
 
 impl Round {
+    /// `from`'s share of part `part`, which this member should own: once per member of the
+    /// group, finite, of the part's size and within reach of this member's own scale.
+    pub(super) fn on_share(
+        &mut self,
+        from: PeerKey,
+        part: u32,
+        samples: f64,
+        loss: Option<f64>,
+        data: Vec<u8>,
+        now: Duration,
+    ) {
+        let Some(me) = self.my_index() else { return };
+        if self.owned_done || self.gone.contains(&from) {
+            // Late: the part was reduced (or is being reduced) without it.
+            return;
+        }
+        // One share per member: a repeat (or a replay) does not replace the first.
+        if part as usize != me || !self.group.contains(&from) || self.shares.contains_key(&from) {
+            self.violation(
+                from,
+                "a part sent to a member that does not own it, twice, or from outside the group",
+            );
+            return;
+        }
+        if !(samples.is_finite() && samples >= 0.0) || loss.is_some_and(|l| !l.is_finite()) {
+            self.violation(from, "a part with a sample count or loss out of range");
+            return;
+        }
+        let expect = self.range(me).len();
+        match self.decode(&data, expect) {
+            Some(v) if !norms::within(norms::rms(&v) / samples.max(1.0), self.own_scale) => {
+                self.violation(from, "a part far larger than this member's own");
+                // Counted as a member that contributed nothing.
+                self.shares.insert(from, (Vec::new(), 0.0, None));
+            }
+            Some(v) => {
+                self.heard.insert(from);
+                self.shares.insert(from, (v, samples, loss));
+                self.share_arrived(now);
+            }
+            None => self.violation(
+                from,
+                "a part that does not decode to finite values of its size",
+            ),
+        }
+        self.maybe_reduce(now, false);
+        self.maybe_finish(now);
+    }
+
+    /// A share of this attempt reached this member `at` (see `sure_to_be_kept`).
+    pub(super) fn share_arrived(&mut self, at: Duration) {
+        self.first_share_at = Some(self.first_share_at.map_or(at, |t| t.min(at)));
+    }
+
     /// Once every member's share of this member's part is in (or the exchange timed out):
     /// the part's robust mean, the evidence on each share, and the part encoded once for
     /// every other member.

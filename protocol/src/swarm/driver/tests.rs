@@ -1,6 +1,7 @@
 //! Unit tests of the driver.
 
 use super::*;
+use crate::swarm::fixtures;
 use crate::swarm::interface::Action;
 
 const MS: Duration = Duration::from_millis(1);
@@ -316,13 +317,7 @@ fn microbatches_are_dealt_in_proportion_and_all_of_them() {
 
 #[test]
 fn a_drivers_share_follows_throughput_once_every_driver_is_measured() {
-    let p = |peer, stage, throughput| Placement {
-        peer: PeerKey(peer),
-        stage,
-        throughput,
-        memory: 0,
-        offloads: false,
-    };
+    let p = |peer, stage, throughput| fixtures::placement(peer, stage, throughput, 0);
     let swarm = [p(2, 0, 30.0), p(3, 1, 5.0)];
     // 8 microbatches of 2 over drivers 1 (10/s) and 2 (30/s).
     assert_eq!(share(&swarm, ME, 10.0, true, 16, 2), 4.0);
@@ -335,13 +330,7 @@ fn a_drivers_share_follows_throughput_once_every_driver_is_measured() {
 
 #[test]
 fn a_driver_keeps_the_round_trip_in_flight_within_memory() {
-    let p = |peer, stage, throughput, memory| Placement {
-        peer: PeerKey(peer),
-        stage,
-        throughput,
-        memory,
-        offloads: false,
-    };
+    let p = fixtures::placement;
     // Two stages of two replicas, each replica 100 samples/s; microbatches of 4 samples.
     let costs = StageCosts {
         flops_per_sample: vec![1.0; 2],
