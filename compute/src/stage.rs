@@ -14,6 +14,11 @@
 //! gradients live on the host and visit the device a block at a time (`stage/chunks.rs`);
 //! AdamW then steps on the host.
 //!
+//! The file is over 900 lines on purpose: its concerns already live in `stage/` (activations,
+//! chunks, spec, state, tensors), and what stays is the forward and the backward pass over the
+//! blocks (some 460 lines together), which mirror each other step by step and are read side by
+//! side.
+//!
 //! What a stage is and costs ([`StageSpec`], `stage/spec.rs`), its tensors' layout and
 //! initialisation (`stage/tensors.rs`), one block's activations and forward pass
 //! (`stage/activations.rs`), where the blocks' tensors live (`stage/chunks.rs`) and the
