@@ -547,8 +547,9 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
             // stage training on wrong targets poison the shares of the replicas upstream that
             // sent it microbatches, and one of those can look like an attacker to its stage
             // before the culprit is banned (in this small swarm, seeds 1-12: one honest
-            // first-stage replica in 7 runs, two in seed 1's; see the README's threat model).
-            assert!(r.false_bans <= 2, "{behavior}: {table}");
+            // first-stage replica in 4 runs; in 8 runs, two in one of them, before shares at a
+            // small angle from the stage's were accused; see the README's threat model).
+            assert!(r.false_bans <= 1, "{behavior}: {table}");
         } else {
             assert_eq!(r.false_bans, 0, "{behavior}: {table}");
         }
@@ -578,8 +579,9 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
         }
         // Measured (seed 1): within +0.6% (`stale:4`, `bad-leader`), the others within 0.2%,
         // but `label-flip`, which poisons the shares upstream through its activation
-        // gradients until its ban (seeds 1-8: +0.9% to +2.1%; +0.7% to +3.9% with the build
-        // before the vote settled early), and `nan`, whose withheld shares fail rounds and
+        // gradients until its ban (seeds 1-8, each against the same seed all honest: +1.2% to
+        // +3.0%; +1.4% to +11.4% before shares at a small angle from the stage's were
+        // accused), and `nan`, whose withheld shares fail rounds and
         // drop microbatches until its ban (seeds 1-4: +0.2% to +2.4%; which microbatches are
         // dropped moves with any change of timing).
         let loss = r.final_loss.expect("a loss");

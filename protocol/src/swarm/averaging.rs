@@ -336,6 +336,11 @@ impl Round {
         self.key
     }
 
+    /// Whether this member follows another's lead in it.
+    pub fn follows(&self) -> bool {
+        self.leader.is_some()
+    }
+
     /// Whether the round is over (finished or failed).
     pub fn is_done(&self) -> bool {
         self.phase == Phase::Done

@@ -40,8 +40,17 @@ pub const SUPPORT_LOW: f64 = 0.4;
 /// ...and only while their mean cosine with the stage's result is below this: a share that
 /// points the stage's way but is short (a DiLoCo replica that took fewer inner steps than the
 /// others, a slow one, sends a shorter pseudo-gradient) opposes nothing. Flipped shares are
-/// near -1, zeroed or unrelated ones near 0, honest ones clearly positive.
-pub const OPPOSED_COSINE: f64 = 0.1;
+/// near -1, zeroed ones 0. A last stage that trains on wrong targets sends shares at 0 to 0.3,
+/// round after round: they share the stage's pull toward common tokens, and little else. At
+/// 0.1 its window passed only now and then, and the last of the honest replicas a ban needed
+/// accused it up to 7 rounds after the first (`attack.toml`, `label-flip`, seed 5), while it
+/// poisoned the stages upstream. The ratio and the deviation are what keep honest members
+/// out, and now and then late in a run, where the stage's common signal is weak, an honest
+/// window has both and is accused: in 3 of 16 clean runs (`attack.toml` seeds 1-8,
+/// `attack-16` seeds 1-2, whose 16 replicas send small shares: cosines 0.14 and 0.16;
+/// `demo`, `regions-nano`, `churn-nano`, seeds 1-2), each time by one replica, far from the
+/// majority a ban needs.
+pub const OPPOSED_COSINE: f64 = 0.3;
 
 /// Above this mean support a member's shares dwarf the stage's (honest: below ~2.1).
 pub const SUPPORT_HIGH: f64 = 3.0;
@@ -551,6 +560,19 @@ mod tests {
             slow.observe(&[share(bad, short)], Duration::ZERO);
         }
         assert!(slow.accusations().is_empty());
+        // Shares unrelated to the stage's (a last stage training on wrong targets: little
+        // along the result, far below the others, at a small angle from it) are accused.
+        let mut unrelated = Bans::default();
+        for round in 0..WINDOW {
+            let wrong_targets = Support {
+                ratio: 0.1,
+                deviation: -6.0,
+                cosine: 0.2,
+            };
+            let changed = unrelated.observe(&[share(bad, wrong_targets)], Duration::ZERO);
+            assert_eq!(changed.is_empty(), round + 1 < WINDOW, "round {round}");
+        }
+        assert_eq!(unrelated.accusations()[0].why, Misconduct::OpposedTheStage);
         // Recovering withdraws the accusation.
         for _ in 0..WINDOW {
             b.observe(&[share(bad, s(1.0))], Duration::ZERO);

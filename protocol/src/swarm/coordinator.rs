@@ -661,7 +661,9 @@ impl StepCoordinator {
     ///
     /// Failed-round retry: a replica whose round failed looks at it again one announcement
     /// period later, by which it has heard whether the others finished that round (then it
-    /// catches up) or not (then it starts the round again among the replicas still there).
+    /// catches up) or not (then it starts the round again among the replicas still there);
+    /// at once when other replicas joined it as their leader while it followed another (they
+    /// have not finished the round: they wait for its start).
     /// Without this, a replica whose batch is complete waits for a trigger that never comes:
     /// no more samples arrive for it.
     pub fn drain_round(
@@ -677,7 +679,7 @@ impl StepCoordinator {
                 round: key.index,
                 reason: "the round's leader left the stage",
             });
-            self.retry_at = Some(retry);
+            self.retry_at = Some(if self.rounds.awaited(key) { now } else { retry });
             return;
         }
         while let Some((key, o)) = self.rounds.poll() {
@@ -727,7 +729,7 @@ impl StepCoordinator {
                         reason,
                     });
                     self.rounds.fail();
-                    self.retry_at = Some(retry);
+                    self.retry_at = Some(if self.rounds.awaited(key) { now } else { retry });
                     return;
                 }
             }

@@ -33,6 +33,11 @@ pub(super) struct Rounds {
     last: Option<Round>,
     /// Joins of the next round that came before this replica was ready for it.
     early_joins: Vec<(RoundKey, PeerKey)>,
+    /// Joins of the current round that came while this replica followed another leader (one
+    /// the senders had banned and it had not yet, say). Their senders wait for its start and
+    /// do not join again, so a retry it leads takes them in; otherwise it would wait out its
+    /// join window and start alone.
+    joins_to_me: Vec<(RoundKey, PeerKey)>,
     /// The leader of the round this replica follows was seen serving the stage.
     leader_seen: bool,
     /// Error feedback of this replica's rounds at its stage, lent to the current round.
@@ -81,6 +86,7 @@ impl Rounds {
             current: None,
             last: None,
             early_joins: Vec::new(),
+            joins_to_me: Vec::new(),
             leader_seen: false,
             feedback: Feedback::new(codec, feedback_decay),
             passed_over: Vec::new(),
@@ -148,6 +154,7 @@ impl Rounds {
         let leader = self
             .leader(key, leaders.iter().copied().chain(self.me_as_leader()))
             .unwrap_or(self.me);
+        self.joins_to_me.retain(|(k, _)| *k == key);
         let mut round = if leader == self.me {
             // A leader that started this round with a group leaving this replica out finished
             // it with that group: it will not join the retry, and is not waited for.
@@ -157,7 +164,10 @@ impl Rounds {
                 .filter(|p| !self.excluded_by(key.index, *p))
                 .collect();
             let mut r = Round::lead(key, self.me, &others, len, self.codec, self.timing, now);
-            for (k, from) in std::mem::take(&mut self.early_joins) {
+            let joins = std::mem::take(&mut self.early_joins)
+                .into_iter()
+                .chain(std::mem::take(&mut self.joins_to_me));
+            for (k, from) in joins {
                 if k == key {
                     r.handle(from, RoundMsg::Join, now);
                 }
@@ -249,6 +259,20 @@ impl Rounds {
         // A leader passed over that starts late is not blamed: it may only have been slow.
         if matches!(msg, RoundMsg::Start { .. }) && self.passed_over_in(key, from) {
             return;
+        }
+        // A join from one that ranks after this replica: it takes this one for its leader. (One
+        // that ranks before it and sends a join is a leader inviting it.)
+        let following = self
+            .current
+            .as_ref()
+            .is_some_and(|r| r.key() == key && r.follows());
+        if following
+            && msg == RoundMsg::Join
+            && key.rank(self.me) < key.rank(from)
+            && self.joins_to_me.len() < MAX_EARLY_JOINS
+            && !self.joins_to_me.contains(&(key, from))
+        {
+            self.joins_to_me.push((key, from));
         }
         for r in [self.current.as_mut(), self.last.as_mut()]
             .into_iter()
@@ -454,12 +478,19 @@ impl Rounds {
         }
     }
 
+    /// Whether replicas joined round `key` with this one as their leader while it followed
+    /// another: they wait for its start.
+    pub fn awaited(&self, key: RoundKey) -> bool {
+        self.joins_to_me.iter().any(|(k, _)| *k == key)
+    }
+
     /// Forgets every round and what they withheld (the replica leaves its stage, or its
     /// state is replaced); returns the current one's key.
     pub fn abandon(&mut self) -> Option<RoundKey> {
         self.feedback = self.feedback.cleared();
         self.last = None;
         self.early_joins.clear();
+        self.joins_to_me.clear();
         self.current.take().map(|r| r.key())
     }
 }

@@ -247,6 +247,55 @@ fn a_leader_that_never_starts_its_round_is_passed_over() {
     assert_eq!(sent(&mut r2), [(PeerKey(3), RoundMsg::Join)]);
 }
 
+/// Replicas that banned a leader this one still follows take this one for their leader and
+/// join it. When its round fails (the leader is banned here too), the retry it leads counts
+/// those joins and starts at once: they wait for its start and will not join again, so
+/// without them it waited its join window and started alone, and they failed (a stage of
+/// `attack.toml` stood still for 2.7 s that way).
+#[test]
+fn joins_that_came_while_following_another_leader_count_in_the_retry_this_replica_leads() {
+    let mut out = Outbox::new(PeerKey(3));
+    let mut r = rounds(3);
+    let replicas = vec![PeerKey(1), PeerKey(5)];
+    // Among 1, 3 and 5, peer 1 leads round 0 of stage 1.
+    r.begin(key(0), &replicas, &replicas, 8, Duration::ZERO);
+    assert_eq!(sent(&mut r), [(PeerKey(1), RoundMsg::Join)]);
+    // A join from 6, which ranks before 3, is 6 leading and inviting it: nobody waits for 3.
+    hear(
+        &mut r,
+        &mut out,
+        6,
+        0,
+        RoundMsg::Join,
+        0,
+        false,
+        replicas.clone(),
+    );
+    assert!(!r.awaited(key(0)));
+    // 5 has banned 1: to it, 3 leads.
+    hear(&mut r, &mut out, 5, 0, RoundMsg::Join, 0, false, replicas);
+    assert!(r.awaited(key(0)));
+    assert!(!r.awaited(key(1)));
+    r.banned(PeerKey(1), MS);
+    assert!(matches!(r.poll(), Some((_, RoundOut::Failed(_)))));
+    r.fail();
+    // The retry: 3 leads, invites 5 as it invites every replica, and starts with it at once.
+    r.begin(key(0), &[PeerKey(5)], &[PeerKey(5)], 8, 2 * MS);
+    assert_eq!(
+        sent(&mut r),
+        [
+            (PeerKey(5), RoundMsg::Join),
+            (
+                PeerKey(5),
+                RoundMsg::Start {
+                    group: vec![PeerKey(3), PeerKey(5)]
+                }
+            )
+        ]
+    );
+    assert!(!r.awaited(key(0)), "the joins were taken in");
+}
+
 /// Early joins: a join of the next round that arrives while this replica still averages
 /// (or has not finished the step) is kept; the leader counts it in when it starts that
 /// round, and a follower follows the invitation of one that ranks before it.
