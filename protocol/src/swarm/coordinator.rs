@@ -673,13 +673,12 @@ impl StepCoordinator {
         members: &Membership,
         now: Duration,
     ) {
-        let retry = now + self.settings.timing.announce_every;
         if let Some(key) = stage.and_then(|s| self.rounds.leader_gone(s, members)) {
             out.event(Event::RoundFailed {
                 round: key.index,
                 reason: "the round's leader left the stage",
             });
-            self.retry_at = Some(if self.rounds.awaited(key) { now } else { retry });
+            self.retry_failed(key, now);
             return;
         }
         while let Some((key, o)) = self.rounds.poll() {
@@ -729,11 +728,17 @@ impl StepCoordinator {
                         reason,
                     });
                     self.rounds.fail();
-                    self.retry_at = Some(if self.rounds.awaited(key) { now } else { retry });
+                    self.retry_failed(key, now);
                     return;
                 }
             }
         }
+    }
+
+    /// Schedules the retry of failed round `key` (see [`StepCoordinator::drain_round`]).
+    fn retry_failed(&mut self, key: RoundKey, now: Duration) {
+        let later = now + self.settings.timing.announce_every;
+        self.retry_at = Some(if self.rounds.awaited(key) { now } else { later });
     }
 
     /// This replica's contribution to the round is computed: the sum of its gradients over
