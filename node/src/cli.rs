@@ -369,8 +369,9 @@ pub struct RunArgs {
     pub routing: shoal_protocol::swarm::membership::Routing,
     /// Misbehave on purpose, to test the swarm's defences with real processes: sign-flip,
     /// scale:F, noise:SIGMA, zero, inflate:F, nan, ipm:EPS, alie[:Z], stale:K, label-flip,
-    /// bad-part, bad-leader, lie-throughput, forge-hash, poison-catch-up or poison-state (test builds
-    /// only: the `attacks` feature; `sybil:N` is the simulator's alone).
+    /// flip-backward, bad-part, bad-leader, lie-throughput, forge-hash, poison-catch-up or
+    /// poison-state (test builds only: the `attacks` feature; `sybil:N` is the simulator's
+    /// alone).
     #[cfg(feature = "attacks")]
     #[arg(long, default_value = "honest")]
     pub behavior: shoal_protocol::swarm::attack::Behavior,

@@ -518,6 +518,7 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
         "alie",
         "stale:4",
         "label-flip",
+        "flip-backward",
         "nan",
         "bad-leader",
         "lie-throughput",
@@ -542,13 +543,13 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
         } else {
             assert!(discounted.is_empty(), "{behavior}: {table}");
         }
-        if behavior == "label-flip" {
-            // The one attack that still costs honest peers: the activation gradients of a last
-            // stage training on wrong targets poison the shares of the replicas upstream that
-            // sent it microbatches, and one of those can look like an attacker to its stage
-            // before the culprit is banned (in this small swarm, seeds 1-12: one honest
-            // first-stage replica in 4 runs; in 8 runs, two in one of them, before shares at a
-            // small angle from the stage's were accused; see the README's threat model).
+        if matches!(behavior, "label-flip" | "flip-backward") {
+            // The attacks that still cost honest peers: wrong activation gradients (from a
+            // last stage training on wrong targets, or negated on purpose by any hop) poison
+            // the shares of the replicas upstream that used them, and one of those can look
+            // like an attacker to its stage (in this small swarm, seeds 1-12: one honest
+            // first-stage replica in 4 runs of `label-flip` and 1 of `flip-backward`; see the
+            // README's threat model).
             assert!(r.false_bans <= 1, "{behavior}: {table}");
         } else {
             assert_eq!(r.false_bans, 0, "{behavior}: {table}");
@@ -581,11 +582,12 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
         // but `label-flip`, which poisons the shares upstream through its activation
         // gradients until its ban (seeds 1-8, each against the same seed all honest: +1.2% to
         // +3.0%; +1.4% to +11.4% before shares at a small angle from the stage's were
-        // accused), and `nan`, whose withheld shares fail rounds and
+        // accused), `flip-backward`, whose negated activation gradients do the same for good
+        // (seeds 1-12: +0.3% to +1.6%), and `nan`, whose withheld shares fail rounds and
         // drop microbatches until its ban (seeds 1-4: +0.2% to +2.4%; which microbatches are
         // dropped moves with any change of timing).
         let loss = r.final_loss.expect("a loss");
-        let bound = if matches!(behavior, "label-flip" | "nan") {
+        let bound = if matches!(behavior, "label-flip" | "flip-backward" | "nan") {
             1.03
         } else {
             1.02

@@ -54,6 +54,10 @@ pub enum Behavior {
     /// stage toward them. (A driver cannot mislabel: targets do not travel, the last stage
     /// reads them from the sample.)
     LabelFlip,
+    /// Negates the activation gradients it sends back to the stage before (it computes and
+    /// averages honestly): a hop's backward pass is recomputed by nobody, so only the shares
+    /// of the replicas upstream that used them show it.
+    FlipBackward,
     /// Negates the averaged part it owns (the part every replica applies, itself included).
     BadPart,
     /// As a round's leader, starts the round with itself alone: the others are left out.
@@ -89,6 +93,7 @@ impl std::str::FromStr for Behavior {
                 "sign-flip" => Behavior::SignFlip,
                 "alie" => Behavior::Alie(1.0),
                 "label-flip" => Behavior::LabelFlip,
+                "flip-backward" => Behavior::FlipBackward,
                 "zero" => Behavior::Zero,
                 "nan" => Behavior::Nan,
                 "bad-part" => Behavior::BadPart,
@@ -125,7 +130,7 @@ impl Behavior {
     fn expected(s: &str) -> String {
         format!(
             "'{s}' (honest, sign-flip, scale:F, noise:SIGMA, zero, inflate:F, nan, ipm:EPS, \
-             alie[:Z], stale:K, label-flip, bad-part, bad-leader, lie-throughput, forge-hash, \
+             alie[:Z], stale:K, label-flip, flip-backward, bad-part, bad-leader, lie-throughput, forge-hash, \
              poison-catch-up, poison-state or sybil:N)"
         )
     }
@@ -221,6 +226,18 @@ impl Attack {
             }
             _ => {}
         }
+    }
+
+    /// The gradient of a hop's input (its backward pass's result) as it sends it back.
+    pub fn activation_gradient(&self, values: &mut [f32]) {
+        if self.on && self.behavior == Behavior::FlipBackward {
+            values.iter_mut().for_each(|v| *v = -*v);
+        }
+    }
+
+    /// Whether it attacks now.
+    pub fn attacking(&self) -> bool {
+        self.on
     }
 
     /// Whether it negates the averaged parts it owns.
@@ -328,6 +345,7 @@ mod tests {
             ("alie", Behavior::Alie(1.0)),
             ("alie:2.5", Behavior::Alie(2.5)),
             ("label-flip", Behavior::LabelFlip),
+            ("flip-backward", Behavior::FlipBackward),
             ("stale:4", Behavior::Stale(4)),
             ("scale:-4", Behavior::Scale(-4.0)),
             ("sybil:40", Behavior::Sybil(40)),
@@ -353,6 +371,22 @@ mod tests {
         for (v, e) in second.iter().zip(expected) {
             assert!((v - e).abs() < 1e-5, "{second:?} against {expected:?}");
         }
+    }
+
+    #[test]
+    fn flip_backward_negates_the_activation_gradients_it_sends_from_its_time_on() {
+        let mut later = Attack::new(Behavior::FlipBackward, Duration::from_secs(5), 1);
+        let mut grad = vec![0.5, -2.0];
+        later.tick(Duration::from_secs(1));
+        later.activation_gradient(&mut grad);
+        assert_eq!(grad, [0.5, -2.0]);
+        later.tick(Duration::from_secs(5));
+        later.activation_gradient(&mut grad);
+        assert_eq!(grad, [-0.5, 2.0]);
+        // Its averaging contributions stay honest.
+        let mut values = vec![1.0, 3.0];
+        later.contribution(&mut values);
+        assert_eq!(values, [1.0, 3.0]);
     }
 
     #[test]

@@ -203,6 +203,9 @@ pub struct Round {
     /// point against its share, against the others); leading, leave the others out.
     pub(super) forge_part: bool,
     pub(super) exclude_others: bool,
+    /// Whether this member judges its own share when most parts disagree with it
+    /// ([`Round::doubt_own_share`]); a scripted attacker does not.
+    pub(super) self_doubt: bool,
     /// The factor on each member's weight from its claims checked against the routes (see
     /// [`crate::swarm::claims`]; 1 where absent).
     pub(super) credits: BTreeMap<PeerKey, f64>,
@@ -275,6 +278,7 @@ impl Round {
             own: Vec::new(),
             forge_part: false,
             exclude_others: false,
+            self_doubt: true,
             credits: BTreeMap::new(),
             claims: Vec::new(),
             upload_pace: None,

@@ -222,10 +222,12 @@ impl StepCoordinator {
     }
 
     /// Scripted misbehaviour (see [`super::attack`]): whether this replica's rounds negate
-    /// the part it owns, and leave the others out when it leads.
-    pub fn misbehave(&mut self, forge_parts: bool, exclude_others: bool) {
+    /// the part it owns, and leave the others out when it leads; `attacking`: it attacks now
+    /// (it never doubts its own share).
+    pub fn misbehave(&mut self, forge_parts: bool, exclude_others: bool, attacking: bool) {
         self.rounds.forge_parts = forge_parts;
         self.rounds.exclude_others = exclude_others;
+        self.rounds.attacking = attacking;
     }
 
     /// Parameter hash right after the last round.

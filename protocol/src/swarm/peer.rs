@@ -376,7 +376,8 @@ impl Peer {
     fn after(&mut self, now: Duration) {
         if let Some(a) = self.attack.as_mut() {
             a.tick(now);
-            self.steps.misbehave(a.forges_parts(), a.excludes_others());
+            self.steps
+                .misbehave(a.forges_parts(), a.excludes_others(), a.attacking());
         }
         let stage = self.role.serving();
         self.steps
@@ -653,7 +654,12 @@ impl Peer {
                 self.on_held_out_done(id, output, now)
             }
             ComputeDone::Forward { id, output } => self.on_forward_done(id, output, now),
-            ComputeDone::Backward { id, grad } => self.on_backward_done(id, grad, now),
+            ComputeDone::Backward { id, mut grad } => {
+                if let (Some(a), Some(g)) = (self.attack.as_ref(), grad.as_mut()) {
+                    a.activation_gradient(g);
+                }
+                self.on_backward_done(id, grad, now)
+            }
             ComputeDone::Gradient {
                 mut values,
                 samples,

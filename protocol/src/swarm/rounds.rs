@@ -50,6 +50,8 @@ pub(super) struct Rounds {
     /// part this replica owns, and leave the others out when it leads.
     pub forge_parts: bool,
     pub exclude_others: bool,
+    /// A scripted attacker never doubts its own share (see `Round::doubt_own_share`).
+    pub attacking: bool,
     /// The factor on each member's weight in the parts this replica owns in rounds started
     /// from now on (see [`super::claims`]).
     pub credits: std::collections::BTreeMap<PeerKey, f64>,
@@ -92,6 +94,7 @@ impl Rounds {
             passed_over: Vec::new(),
             forge_parts: false,
             exclude_others: false,
+            attacking: false,
             credits: std::collections::BTreeMap::new(),
             banned: std::collections::BTreeSet::new(),
             upload_pace: None,
@@ -178,6 +181,7 @@ impl Rounds {
         };
         round.forge_part = self.forge_parts;
         round.exclude_others = self.exclude_others;
+        self.lend_doubt(&mut round);
         round.credits.clone_from(&self.credits);
         round.gone.clone_from(&self.banned);
         self.install(round);
@@ -204,9 +208,15 @@ impl Rounds {
         self.leader_seen = false;
         let mut round = Round::follow(key, self.me, leader, len, self.codec, self.timing, now);
         round.forge_part = self.forge_parts;
+        self.lend_doubt(&mut round);
         round.credits.clone_from(&self.credits);
         round.gone.clone_from(&self.banned);
         self.install(round);
+    }
+
+    /// Whether `round` may doubt this replica's share.
+    fn lend_doubt(&self, round: &mut Round) {
+        round.self_doubt = !self.attacking;
     }
 
     /// Early joins: a replica that finished round `round - 1` sooner may already have invited

@@ -436,6 +436,93 @@ fn a_part_the_members_refuse_is_applied_by_nobody() {
     }
 }
 
+/// A member whose own share most of the round's parts disagree with (a hop after its stage sent
+/// it wrong activation gradients) is the odd one out: it refuses none of them and takes the
+/// round as no evidence against their owners. One part against its share among several is
+/// still refused and accused.
+#[test]
+fn a_member_whose_share_most_parts_disagree_with_neither_refuses_nor_accuses() {
+    let key = RoundKey { stage: 1, index: 0 };
+    let me = PeerKey(1);
+    let others = [PeerKey(2), PeerKey(3), PeerKey(4)];
+    let len = 12;
+    let own: Vec<f32> = (0..len).map(|i| 1.0 + i as f32).collect();
+    for (negated, odd_one_out) in [(3, true), (1, false)] {
+        let mut r = Round::lead(key, me, &others, len, Codec::Fp32, timing(), Duration::ZERO);
+        for k in others {
+            r.handle(k, RoundMsg::Join, Duration::ZERO);
+        }
+        r.handle_timeout(timing().join_window);
+        while r.poll().is_some() {}
+        r.contribute(own.clone(), 2.0, None, MS);
+        let mine = r.my_index().unwrap();
+        while r.poll().is_some() {}
+        let share = own[r.range(mine)].to_vec();
+        for k in others {
+            share_to_owner(&mut r, k, &share, 2.0);
+        }
+        let mut bad = Vec::new();
+        for (j, &owner) in r.group.clone().iter().enumerate() {
+            if j == mine {
+                continue;
+            }
+            let sign = if bad.len() < negated { -1.0 } else { 1.0 };
+            if sign < 0.0 {
+                bad.push(owner);
+            }
+            let part: Vec<f32> = own[r.range(j)].iter().map(|v| sign * v / 2.0).collect();
+            let data = crate::codec::encode_to_vec(Codec::Fp32, &part, &[part.len()]).unwrap();
+            let attempt = r.attempt;
+            let averaged = RoundMsg::Averaged {
+                attempt,
+                part: j as u32,
+                samples: 8.0,
+                loss: None,
+                data: data.into(),
+            };
+            r.handle(owner, averaged, 2 * MS);
+        }
+        let outs: Vec<RoundOut> = std::iter::from_fn(|| r.poll()).collect();
+        let refusals = outs
+            .iter()
+            .find_map(|o| match o {
+                RoundOut::Send(_, RoundMsg::Verdict { votes, .. }) => {
+                    Some(votes.iter().filter(|v| **v == Vote::Refuse).count())
+                }
+                _ => None,
+            })
+            .expect("a verdict went out");
+        assert_eq!(refusals, if odd_one_out { 0 } else { 1 });
+        r.handle_timeout(Duration::from_secs(10));
+        let result = std::iter::from_fn(|| r.poll())
+            .chain(outs)
+            .find_map(|o| match o {
+                RoundOut::Finished(result) => Some(result),
+                _ => None,
+            })
+            .expect("the round finished");
+        let accused: Vec<PeerKey> = result
+            .evidence
+            .iter()
+            .filter_map(|e| match *e {
+                Evidence::Part { peer, agreement } if agreement < 0.0 => Some(peer),
+                _ => None,
+            })
+            .collect();
+        let judged = result
+            .evidence
+            .iter()
+            .filter(|e| matches!(e, Evidence::Part { .. }))
+            .count();
+        if odd_one_out {
+            assert_eq!(judged, 0, "{:?}", result.evidence);
+        } else {
+            assert_eq!(judged, 3);
+            assert_eq!(accused, bad);
+        }
+    }
+}
+
 /// A part is refused only by more refusals than acceptances among the members other than its
 /// owner: liars fewer than the honest members that could tell can neither refuse an honest
 /// part nor keep a forged one, and a tie keeps the part.

@@ -3,7 +3,7 @@
 
 use super::{Phase, Round, RoundMsg, RoundOut};
 use crate::swarm::PeerKey;
-use crate::swarm::bans::Evidence;
+use crate::swarm::bans::{Evidence, PART_LOW};
 use crate::swarm::message::Vote;
 use crate::swarm::robust;
 use std::time::Duration;
@@ -69,6 +69,7 @@ impl Round {
     /// Every part is in, or given up on (`zeroed`): tell the others how this member found
     /// each part, and wait for theirs.
     pub(super) fn vote(&mut self, zeroed: Vec<u32>, now: Duration) {
+        self.doubt_own_share();
         // A part this member could not get counts as refused: when most members lost a part
         // (its owner was slow, or its messages were lost), its owner drops it too instead of
         // applying it alone.
@@ -95,6 +96,37 @@ impl Round {
         self.phase = Phase::Voting;
         self.deadline = Some(now + self.timing.round_timeout / 2);
         self.maybe_decide();
+    }
+
+    /// Most of the parts this member judged disagree with its own share: then the odd one
+    /// out is its share, not the parts, and it neither refuses them nor takes the round as
+    /// evidence against their owners (fewer than half of the owners are assumed malicious,
+    /// so most parts are honest). An honest member's share goes wrong that way when a hop
+    /// after its stage sent it wrong activation gradients (`flip-backward`, `label-flip`):
+    /// judging by it, such members accused honest owners together, and banned up to eight
+    /// honest replicas in an `attack.toml` run.
+    fn doubt_own_share(&mut self) {
+        let judged = self
+            .evidence
+            .iter()
+            .filter(|e| matches!(e, Evidence::Part { .. }))
+            .count();
+        let disagreeing = self
+            .evidence
+            .iter()
+            .filter(|e| matches!(e, Evidence::Part { agreement, .. } if *agreement < PART_LOW))
+            .count();
+        // One part judged (a group of two) leaves nothing to tell the two apart by.
+        if !self.self_doubt || judged < 2 || 2 * disagreeing <= judged {
+            return;
+        }
+        self.evidence
+            .retain(|e| !matches!(e, Evidence::Part { .. }));
+        for v in &mut self.votes {
+            if *v == Vote::Refuse {
+                *v = Vote::Abstain;
+            }
+        }
     }
 
     /// Whether this member waits (or waited in vain) for `peer`'s verdict: it heard from
