@@ -78,6 +78,21 @@ pub struct StageReplica<B: Backend> {
     anchor: Vec<f32>,
     /// DiLoCo outer momentum; empty until the first outer step (it is zero until then).
     outer_momentum: Vec<f32>,
+    /// Every [`direction_stride`]-th value of the last gradient this replica stepped with
+    /// (empty before its first step): what a microbatch's own gradient is compared with (see
+    /// [`StageReplica::alignment`]). A sample of the values, so that it costs little memory
+    /// on large stages.
+    direction: Vec<f32>,
+}
+
+/// Values of the last step's gradient that [`StageReplica::alignment`] compares, at most:
+/// enough that the cosine over them is the cosine over all to a few hundredths.
+const DIRECTION_VALUES: usize = 1 << 16;
+
+/// The stride of the sample of a stage's `params` values that [`StageReplica::alignment`]
+/// compares.
+fn direction_stride(params: usize) -> usize {
+    params.div_ceil(DIRECTION_VALUES).max(1)
 }
 
 impl<B: Backend> StageReplica<B> {
@@ -119,6 +134,7 @@ impl<B: Backend> StageReplica<B> {
             accumulated_samples: 0.0,
             anchor,
             outer_momentum: Vec::new(),
+            direction: Vec::new(),
         })
     }
 
@@ -247,6 +263,28 @@ impl<B: Backend> StageReplica<B> {
         dropped_grad || dropped_acts
     }
 
+    /// How well microbatch `id`'s pending gradient points along the last step this replica
+    /// took: its cosine with that step's gradient (on a sample of the values). None before
+    /// the first step, or for an id not pending.
+    ///
+    /// A replica's gradients for one sample and the next step's point about the same way
+    /// (+0.1 to +0.2 on average in `attack.toml`); a microbatch whose activation gradients a
+    /// later hop sent negated points the other way (-0.25). The device cannot tell who sent
+    /// them; the swarm, which routed the microbatch, can.
+    pub fn alignment(&self, id: MicrobatchId) -> Option<f64> {
+        let grad = &self.pending.get(&id)?.grad;
+        let stride = direction_stride(grad.len());
+        let (mut ab, mut aa, mut bb) = (0.0f64, 0.0f64, 0.0f64);
+        for (&x, &y) in grad.iter().step_by(stride).zip(&self.direction) {
+            let (x, y) = (f64::from(x), f64::from(y));
+            ab += x * y;
+            aa += x * x;
+            bb += y * y;
+        }
+        let norms = (aa * bb).sqrt();
+        (norms > 0.0 && norms.is_finite()).then(|| ab / norms)
+    }
+
     /// Microbatches whose gradient awaits commit or abort.
     pub fn pending(&self) -> usize {
         self.pending.len()
@@ -289,6 +327,9 @@ impl<B: Backend> StageReplica<B> {
     /// whether they may still be committed.
     pub fn apply_step(&mut self, grad: &[f32]) -> Result<u64, StageError> {
         self.check_len(grad.len())?;
+        let stride = direction_stride(grad.len());
+        self.direction.clear();
+        self.direction.extend(grad.iter().step_by(stride));
         let grad_norm = grad
             .iter()
             .map(|g| *g as f64 * *g as f64)
@@ -537,6 +578,8 @@ impl<B: Backend> StageReplica<B> {
         self.accumulated_samples = 0.0;
         self.anchor = anchor;
         self.outer_momentum = outer_momentum;
+        // The last step of another replica's history is not known here.
+        self.direction.clear();
         Ok(())
     }
 

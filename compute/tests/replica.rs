@@ -454,3 +454,44 @@ fn write_atomic_writes_overwrites_and_leaves_no_temp_file() {
     assert!(write_atomic(&dir.join("missing").join("f"), b"x").is_err());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A microbatch's parameter gradient points along the replica's last step, and one computed
+/// on activation gradients that came back negated points against it: what a sender judges
+/// the replicas of the next stage by. Nothing to judge before the first step.
+#[test]
+fn a_microbatch_on_negated_activation_gradients_points_against_the_last_step() {
+    let mut stages = pipeline(2, 7);
+    run(&mut stages, 1, &microbatch(0));
+    assert_eq!(stages[0].alignment(1), None);
+    commit_all(&mut stages, 1);
+    step(&mut stages);
+    let alignment = |stages: &mut [StageReplica<CpuBackend>], id: u64, data: &Batch, sign: f32| {
+        let (first, last) = stages.split_at_mut(1);
+        let StageOutput::Activations(acts) = first[0]
+            .forward(id, SHAPE, StageInput::Tokens(&data.inputs), None)
+            .unwrap()
+        else {
+            panic!("activations")
+        };
+        last[0]
+            .forward(
+                id,
+                SHAPE,
+                StageInput::Activations(&acts),
+                Some(&data.targets),
+            )
+            .unwrap();
+        let mut grad = last[0].backward(id, None, ROWS as f32).unwrap().unwrap();
+        grad.iter_mut().for_each(|g| *g *= sign);
+        first[0].backward(id, Some(&grad), ROWS as f32).unwrap();
+        first[0].alignment(id).unwrap()
+    };
+    let honest = alignment(&mut stages, 2, &microbatch(1), 1.0);
+    let negated = alignment(&mut stages, 3, &microbatch(1), -1.0);
+    assert!(honest > 0.2, "{honest}");
+    assert!(
+        (negated + honest).abs() < 1e-6,
+        "{negated} against {honest}"
+    );
+    assert_eq!(stages[0].alignment(99), None);
+}

@@ -232,6 +232,7 @@ impl ModelledStage {
                 ComputeDone::Backward {
                     id,
                     grad: (!first).then(|| self.random(self.boundary_values(rows))),
+                    alignment: None,
                 }
             }
             Job::Commit { id } => {

@@ -321,11 +321,15 @@ impl<B: Backend> StageWorker<B> {
                 }
             }
             Job::Backward { id, grad, rows } => {
-                let grad = self
-                    .serving()?
+                let replica = self.serving()?;
+                let grad = replica
                     .backward(id, grad.as_deref(), rows as f32)
                     .map_err(err)?;
-                ComputeDone::Backward { id, grad }
+                ComputeDone::Backward {
+                    id,
+                    grad,
+                    alignment: replica.alignment(id),
+                }
             }
             Job::Commit { id } => {
                 self.serving()?.commit(id);

@@ -139,6 +139,10 @@ pub enum ComputeDone {
         id: u64,
         /// Gradient of the input (none on the first stage).
         grad: Option<Vec<f32>>,
+        /// How well the attempt's parameter gradient points along the last step the replica
+        /// took (a cosine; see the compute crate's `StageReplica::alignment`), where the device
+        /// can tell: how the peer judges the activation gradients the next stage sent for it.
+        alignment: Option<f64>,
     },
     /// A contribution (TakeGradient / TakePseudoGradient).
     Gradient {

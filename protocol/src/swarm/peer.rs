@@ -654,9 +654,16 @@ impl Peer {
                 self.on_held_out_done(id, output, now)
             }
             ComputeDone::Forward { id, output } => self.on_forward_done(id, output, now),
-            ComputeDone::Backward { id, mut grad } => {
+            ComputeDone::Backward {
+                id,
+                mut grad,
+                alignment,
+            } => {
                 if let (Some(a), Some(g)) = (self.attack.as_ref(), grad.as_mut()) {
                     a.activation_gradient(g);
+                }
+                if let Some(alignment) = alignment {
+                    self.judge_gradients(id, alignment);
                 }
                 self.on_backward_done(id, grad, now)
             }

@@ -182,6 +182,11 @@ impl StageServer {
         self.commits_queued
     }
 
+    /// Where `attempt`'s activations went, if it is a microbatch this replica computes.
+    pub fn next_of(&self, attempt: u64) -> Option<PeerKey> {
+        self.hops.get(&attempt).and_then(|h| h.next)
+    }
+
     /// Whether `attempt` is a microbatch this replica computes for a driver.
     pub fn holds(&self, attempt: u64) -> bool {
         self.hops.contains_key(&attempt)

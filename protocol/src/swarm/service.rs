@@ -17,6 +17,20 @@
 //! The factor never takes a replica's work away entirely: routing skips a straggler by its
 //! announcement, not by this factor, so a replica whose factor fell in a burst of late answers
 //! still gets some work and its answers in time restore it.
+//!
+//! The answers are judged too. A replica of the next stage could answer in time with wrong
+//! activation gradients (negated, or computed against wrong targets): nobody recomputes them,
+//! its own shares stay honest, and the shares of the replicas that ran their backward passes on
+//! them go wrong in proportion, so much that their stage-mates took them for attackers. The
+//! device tells how well each microbatch's parameter gradient points along the last step this
+//! replica took (its alignment: +0.1 to +0.2 on average from honest gradients in
+//! `attack.toml`, -0.25 from negated ones, with a spread of 0.25 per microbatch). A replica
+//! whose moving average of them is more than [`MISALIGNED_BY`] below the typical replica's
+//! (the lower median) has each of its microbatches halve its quality, down to
+//! [`MIN_QUALITY`], and each one back in line double it, up to 1; the routing weight is
+//! scaled by the quality as by the factor. So a sender stops feeding the replica that poisons
+//! it after three to six of its microbatches, without anyone's word; it is no ban (the
+//! evidence is one peer's, and the culprit is not in its stage).
 
 use crate::swarm::PeerKey;
 use std::collections::{BTreeMap, HashMap};
@@ -38,6 +52,21 @@ const AVERAGE_WEIGHT: f64 = 0.2;
 /// Microbatches in flight this peer times at most (more than any window; past it new ones
 /// are not timed).
 const MAX_TIMED: usize = 4096;
+
+/// Weight of a new alignment in a replica's moving average (an honest replica's average then
+/// spreads by about 0.1).
+const ALIGNMENT_WEIGHT: f64 = 0.3;
+
+/// A replica whose average alignment is further than this below the typical replica's sends
+/// gradients that point elsewhere.
+pub const MISALIGNED_BY: f64 = 0.25;
+
+/// What each microbatch from such a replica multiplies its quality by (one in line divides).
+const QUALITY_STEP: f64 = 0.5;
+
+/// The least quality: a replica so judged still gets a trickle of work, by which it is judged
+/// again (an honest one whose average strayed comes back).
+pub const MIN_QUALITY: f64 = 1.0 / 16.0;
 
 /// What a sender's own timing says of one replica of the next stage, for routing.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -68,6 +97,12 @@ struct Timed {
     factor: f64,
     /// Microbatches in flight to it.
     in_flight: u32,
+    /// Moving average of the alignments of the microbatches it answered.
+    alignment: f64,
+    /// Alignments taken into it.
+    aligned: u32,
+    /// What its routing weight is multiplied by for the gradients it sends.
+    quality: f64,
 }
 
 impl Timed {
@@ -138,12 +173,34 @@ impl Service {
         timed.scale(if late { STEP_DOWN } else { 1.0 / STEP_DOWN });
     }
 
+    /// A microbatch whose activation gradients `from` sent gave a parameter gradient that
+    /// points `alignment` along this replica's last step.
+    pub fn aligned(&mut self, from: PeerKey, alignment: f64) {
+        if !alignment.is_finite() {
+            return;
+        }
+        let typical = self.typical_alignment();
+        let t = self.timed(from);
+        t.alignment = match t.aligned {
+            0 => alignment,
+            _ => (1.0 - ALIGNMENT_WEIGHT) * t.alignment + ALIGNMENT_WEIGHT * alignment,
+        };
+        t.aligned = t.aligned.saturating_add(1);
+        let misaligned =
+            t.aligned >= 2 && typical.is_some_and(|typical| t.alignment < typical - MISALIGNED_BY);
+        t.quality = if misaligned {
+            (t.quality * QUALITY_STEP).max(MIN_QUALITY)
+        } else {
+            (t.quality / QUALITY_STEP).min(1.0)
+        };
+    }
+
     /// What this peer's timing says of `peer`.
     pub fn observed(&self, peer: PeerKey) -> Observed {
         self.replicas
             .get(&peer)
             .map_or(Observed::UNTIMED, |t| Observed {
-                factor: t.factor,
+                factor: t.factor * t.quality,
                 timed: t.seconds > 0.0,
                 probing: t.seconds == 0.0 && t.in_flight > 0,
             })
@@ -160,7 +217,22 @@ impl Service {
             seconds: 0.0,
             factor: 1.0,
             in_flight: 0,
+            alignment: 0.0,
+            aligned: 0,
+            quality: 1.0,
         })
+    }
+
+    /// The lower median of the replicas' average alignments (None before three have two
+    /// each): with fewer than half of them sending wrong gradients, an honest replica's.
+    fn typical_alignment(&self) -> Option<f64> {
+        let a: Vec<f64> = self
+            .replicas
+            .values()
+            .filter(|t| t.aligned >= 2)
+            .map(|t| t.alignment)
+            .collect();
+        (a.len() >= 3).then(|| crate::swarm::robust::lower_median(a))
     }
 
     /// The lower median of the replicas' average answer times (None before two are timed):
@@ -237,6 +309,41 @@ mod tests {
         s.forget(PeerKey(3));
         assert!(s.in_flight.is_empty());
         assert_eq!(s.observed(PeerKey(3)).factor, 1.0);
+    }
+
+    /// Five replicas send gradients whose microbatches align with this replica's steps by
+    /// +0.2 give or take 0.25; a sixth negates its gradients (-0.25): its quality falls to the
+    /// least within six of its microbatches while the others keep theirs, and comes back
+    /// once its gradients are in line again.
+    #[test]
+    fn a_replica_whose_gradients_point_elsewhere_loses_its_work_and_regains_it_in_line() {
+        let mut s = Service::default();
+        let noise = [0.25, -0.25, 0.1, -0.1, 0.0, 0.2, -0.2];
+        let mut i = 0;
+        let mut round = |s: &mut Service, liar: f64| {
+            for peer in 1..=6 {
+                i += 1;
+                let spread = noise[i % noise.len()];
+                let mean = if peer == 6 { liar } else { 0.2 };
+                s.aligned(PeerKey(peer), mean + spread);
+            }
+        };
+        round(&mut s, 0.2);
+        round(&mut s, 0.2);
+        for _ in 0..6 {
+            round(&mut s, -0.25);
+        }
+        assert_eq!(s.observed(PeerKey(6)).factor, MIN_QUALITY);
+        for p in 1..=5 {
+            assert_eq!(s.observed(PeerKey(p)).factor, 1.0, "{p}");
+        }
+        for _ in 0..12 {
+            round(&mut s, 0.2);
+        }
+        assert_eq!(s.observed(PeerKey(6)).factor, 1.0);
+        // Not a number is no evidence.
+        s.aligned(PeerKey(1), f64::NAN);
+        assert_eq!(s.observed(PeerKey(1)).factor, 1.0);
     }
 
     #[test]

@@ -189,7 +189,11 @@ impl ToyStage {
                     .collect();
                 self.pending.insert(id, (g, rows));
                 let grad = (self.stage > 0).then(|| vec![0.5; rows as usize * ACTS_PER_ROW]);
-                ComputeDone::Backward { id, grad }
+                ComputeDone::Backward {
+                    id,
+                    grad,
+                    alignment: None,
+                }
             }
             Job::Commit { id } => {
                 if let Some((g, rows)) = self.pending.remove(&id) {

@@ -217,6 +217,7 @@ impl Exercise {
             Job::Backward { id, rows, .. } => ComputeDone::Backward {
                 id,
                 grad: (self.stage > 0).then(|| vec![0.25; rows as usize * ACTS_PER_ROW]),
+                alignment: None,
             },
             Job::TakeGradient | Job::TakePseudoGradient => ComputeDone::Gradient {
                 values: vec![0.1; PARAMS],
