@@ -71,7 +71,8 @@ pub const MIN_QUALITY: f64 = 1.0 / 16.0;
 /// What a sender's own timing says of one replica of the next stage, for routing.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Observed {
-    /// What its routing weight is multiplied by (1: in time, or never timed).
+    /// What its routing weight is multiplied by, for its timing and its gradients together (1:
+    /// in time and in line, or never judged).
     pub factor: f64,
     /// Whether one of its answers has been timed.
     pub timed: bool,
