@@ -286,6 +286,12 @@ impl Driver {
         dropped
     }
 
+    /// The replica of the second stage `attempt`'s activations went to, if still known.
+    pub fn first_hop(&self, attempt: u64) -> Option<PeerKey> {
+        let entry = self.ledger.entry_of(attempt)?;
+        entry.live.iter().find(|l| l.0 == attempt).and_then(|l| l.1)
+    }
+
     /// The first hop of the attempt before `attempt` of the same microbatch: a retry goes
     /// elsewhere if it can.
     pub fn previous_hop(&self, attempt: u64) -> Option<PeerKey> {

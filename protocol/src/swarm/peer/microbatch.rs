@@ -326,14 +326,10 @@ impl Peer {
         if self.config.sync != SyncMode::AllReduce {
             return;
         }
-        let next = self.server.next_of(id).or_else(|| {
-            let entry = self.driver.entry(id)?;
-            entry
-                .live
-                .iter()
-                .find(|(a, _)| *a == id)
-                .and_then(|(_, hop)| *hop)
-        });
+        let next = self
+            .server
+            .next_of(id)
+            .or_else(|| self.driver.first_hop(id));
         if let Some(next) = next {
             self.service.aligned(next, alignment);
         }
