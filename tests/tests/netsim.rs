@@ -712,13 +712,11 @@ fn poisoned_contributions_are_bounded_and_their_senders_banned() {
         assert_eq!(r.violations, 0, "{behavior}");
         assert_eq!(r.false_bans, 0, "{behavior}: {table}");
         let banned: Vec<usize> = r.banned.iter().map(|b| b.1).collect();
-        if behavior != "noise:0.1" {
-            // Noise this small hides in the honest spread (and does about as little harm);
-            // the rest stand out within a few steps.
-            assert_eq!(banned.len(), 2, "{behavior}: {table}");
-            assert!(banned.iter().all(|p| r.attackers.contains(p)), "{behavior}");
-            assert!(table.contains("banned"), "{table}");
-        }
+        // Each stands out within a few steps (noise by its length: its component along the
+        // stage's mean looks honest).
+        assert_eq!(banned.len(), 2, "{behavior}: {table}");
+        assert!(banned.iter().all(|p| r.attackers.contains(p)), "{behavior}");
+        assert!(table.contains("banned"), "{table}");
         // Measured: within 0.5% (seed 1) but for a forged part, which every replica applies
         // until its owner is banned (+4.2%); the README's tables have longer runs.
         let loss = r.final_loss.expect("a loss");

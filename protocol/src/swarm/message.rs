@@ -139,7 +139,8 @@ pub enum Misconduct {
     /// Its averaging shares opposed its stage's robust mean, round after round (flipped,
     /// zeroed or unrelated gradients).
     OpposedTheStage,
-    /// Its averaging shares were several times its stage's robust mean, round after round.
+    /// Its averaging shares were several times as long as its stage-mates', round after round
+    /// (scaled, or mostly noise).
     DwarfedTheStage,
     /// The averaged parts it sent disagreed with the members' own shares, round after round
     /// (negated, scaled, zeroed or replaced).
@@ -158,7 +159,7 @@ impl std::fmt::Display for Misconduct {
                 "its averaging shares opposed the stage's robust mean, round after round"
             }
             Misconduct::DwarfedTheStage => {
-                "its averaging shares were several times the stage's robust mean, round after round"
+                "its averaging shares were several times as long as its stage-mates', round after round"
             }
             Misconduct::CorruptedParts => {
                 "the averaged parts it sent disagreed with the members' own shares, round after round"

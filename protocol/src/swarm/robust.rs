@@ -74,6 +74,11 @@ pub struct Support {
     /// DiLoCo replica that took fewer inner steps than the others sends a shorter
     /// pseudo-gradient, a low `ratio` in the right direction.
     pub cosine: f64,
+    /// Its length over the median member's, both per-sample means taken as if of the typical
+    /// member's samples (a smaller batch's mean is longer by its noise, a DiLoCo replica with
+    /// more inner steps moved further). About 1 for honest shares; several for scaled ones,
+    /// and for noise, whose component along the result can look honest.
+    pub norm: f64,
 }
 
 /// A deviation counts at most this much, so that one round cannot outweigh a window.
@@ -175,7 +180,8 @@ pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
             support,
         };
     }
-    let cap = WEIGHT_CAP * lower_median(present.iter().map(|&i| shares[i].samples).collect());
+    let typical_samples = lower_median(present.iter().map(|&i| shares[i].samples).collect());
+    let cap = WEIGHT_CAP * typical_samples;
     for &i in &present {
         let credit = shares[i].credit.clamp(super::claims::MIN_CREDIT, 1.0);
         weights[i] = shares[i].samples.min(cap) * credit;
@@ -227,15 +233,28 @@ pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
     if present.len() >= 3 && typical > 0.0 {
         // |share|^2 from what is at hand: |share - centre|^2 + 2 share.centre - |centre|^2.
         let centre_sq = dot(&centre, 1.0, &centre);
+        let share_sq = |j: usize| (dist[j] * dist[j] + 2.0 * along[j] - centre_sq).max(0.0);
         let cosine = |j: usize| {
-            let share_sq = (dist[j] * dist[j] + 2.0 * along[j] - centre_sq).max(0.0);
-            let norms = (share_sq * centre_sq).sqrt();
+            let norms = (share_sq(j) * centre_sq).sqrt();
             if norms > 0.0 {
                 (along[j] / norms).clamp(-1.0, 1.0)
             } else {
                 0.0
             }
         };
+        // Lengths compared as if every member had the typical member's samples (as its credit
+        // allows): a smaller batch's mean is longer by its noise, by the square root of the
+        // ratio, and a DiLoCo replica that took more inner steps than the typical one moved
+        // further, in proportion.
+        let norms: Vec<f64> = (0..n)
+            .map(|j| {
+                let share = &shares[present[j]];
+                let credit = share.credit.clamp(super::claims::MIN_CREDIT, 1.0);
+                let r = share.samples * credit / typical_samples;
+                share_sq(j).sqrt() * r.min(1.0).sqrt() / r.max(1.0)
+            })
+            .collect();
+        let typical_norm = median(norms.clone());
         let spread = 1.4826 * median(along.iter().map(|a| (a - typical).abs()).collect());
         for (j, &i) in present.iter().enumerate() {
             let off = along[j] - typical;
@@ -250,6 +269,11 @@ pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
                 ratio: along[j] / typical,
                 deviation: deviation.clamp(-MAX_DEVIATION, MAX_DEVIATION),
                 cosine: cosine(j),
+                norm: if typical_norm > 0.0 {
+                    norms[j] / typical_norm
+                } else {
+                    1.0
+                },
             });
         }
     }
@@ -460,6 +484,7 @@ pub(crate) mod tests {
             ratio: 1.0,
             deviation: 0.0,
             cosine: 1.0,
+            norm: 1.0,
         };
         assert_eq!(a.support, vec![Some(same); 3]);
     }
@@ -486,6 +511,38 @@ pub(crate) mod tests {
         assert!(flipped.ratio < 0.0 && flipped.cosine < -0.95, "{flipped:?}");
         assert_eq!(support[5].cosine, 0.0);
         assert!(support[..3].iter().all(|s| s.cosine > 0.95), "{support:?}");
+    }
+
+    /// A share that is mostly noise has an honest-looking component along the result but is
+    /// several times as long as its stage-mates'; a small batch's noisier mean, and a DiLoCo
+    /// replica's longer move after more inner steps, are not judged longer for it (uncorrected, its mean of one sample is 2.7 times as long as the others'
+    /// of 16). Members' samples: a mean of 0.3 per coordinate under unit noise.
+    #[test]
+    fn support_tells_noise_from_a_small_batch() {
+        let mut rng = SeededRng::new(3);
+        let len = 2_000;
+        let mut sum = |samples: usize, noise: f64| -> Vec<f32> {
+            (0..len)
+                .map(|_| {
+                    let s: f64 = (0..samples).map(|_| 0.3 + gaussian(&mut rng)).sum();
+                    (s + noise * gaussian(&mut rng)) as f32
+                })
+                .collect()
+        };
+        let mut sums: Vec<Vec<f32>> = (0..5).map(|_| sum(16, 0.0)).collect();
+        sums.push(sum(1, 0.0));
+        sums.push(sum(16, 30.0));
+        // A DiLoCo replica that took four times the typical inner steps: four times the
+        // samples, and a mean four times as long.
+        sums.push(sum(16, 0.0).iter().map(|v| 16.0 * v).collect());
+        let a = shares(&sums, &[16.0, 16.0, 16.0, 16.0, 16.0, 1.0, 16.0, 64.0]);
+        let support: Vec<Support> = a.support.iter().map(|s| s.unwrap()).collect();
+        let (small, noisy, further) = (support[5], support[6], support[7]);
+        assert!(further.norm < 1.5, "{further:?}");
+        assert!(support[..5].iter().all(|s| s.norm < 1.5), "{support:?}");
+        assert!(small.norm < 1.0, "{small:?}");
+        assert!(noisy.norm > 3.0, "{noisy:?}");
+        assert!(noisy.ratio < 2.0, "{noisy:?}");
     }
 
     #[test]

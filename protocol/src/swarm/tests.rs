@@ -182,10 +182,14 @@ impl ToyStage {
             }
             Job::Backward { id, rows, .. } => {
                 let sample = self.sample_of.get(&id).copied().unwrap_or(0);
-                // Never all zero (a sample that is a multiple of 7 made a share with samples
-                // but no values, which no real gradient is, and got its replica accused).
+                // A part common to every sample (8) and a part of its own (0-6), as the
+                // gradients of one batch share a direction: honest shares are then of about
+                // one length, which the stage judges (with only a sample's own part, one that
+                // is a multiple of 7 gave a share a fifth of the others' length, and another
+                // replica's looked 4 times the median). Never all zero either (that made a
+                // share with samples but no values, and got its replica accused).
                 let g: Vec<f32> = (0..PARAMS)
-                    .map(|i| ((1 + sample.wrapping_mul(i as u64 + 1) % 7) as f32) * rows as f32)
+                    .map(|i| ((8 + sample.wrapping_mul(i as u64 + 1) % 7) as f32) * rows as f32)
                     .collect();
                 self.pending.insert(id, (g, rows));
                 let grad = (self.stage > 0).then(|| vec![0.5; rows as usize * ACTS_PER_ROW]);
