@@ -8,9 +8,9 @@
 //! shares, a robust z-score against the other members, and its length against theirs). A
 //! replica keeps the last [`WINDOW`] scores it saw of each member; when their mean ratio falls
 //! below [`SUPPORT_LOW`] with a mean deviation below -[`DEVIATION`] (flipped or zeroed shares),
-//! or their mean length rises above [`SUPPORT_HIGH`] (scaled or noisy ones), it accuses the member in
-//! its announcements, and withdraws the accusation if the window recovers (one unlucky stretch
-//! of noise costs nothing). The averaged parts are judged the same way by the members that
+//! or their mean length or ratio rises above [`SUPPORT_HIGH`] (scaled or noisy ones), it
+//! accuses the member in its announcements, and withdraws the accusation if the window
+//! recovers (one unlucky stretch of noise costs nothing). The averaged parts are judged the same way by the members that
 //! receive them: each compares a part with its own share of it ([`super::robust::agreement`],
 //! about 1 for an honest part) and accuses an owner whose last [`PART_WINDOW`] parts had a
 //! median outside [[`PART_LOW`], [`PART_HIGH`]]. Every member sends a share to every owner and
@@ -59,10 +59,15 @@ pub const OPPOSED_COSINE: f64 = 0.3;
 /// poisoned; `noise:0.1` windows reached 5-38 and `noise:0.01` 5-10 (except at the first stage,
 /// whose embedding gradients dwarf such noise: 1.1-1.2, and where it does no harm). The
 /// component along the result (`ratio`) cannot tell noise: a noise share's is as honest's.
+/// So is a mean `ratio` above it, [`DEVIATION`] deviations above the median member's: the
+/// length is corrected by the samples a member claims, and a liar that claims F times its
+/// samples while sending shares F times as long would pass for short until its claims are
+/// checked; its component along the result shows it whatever it claims.
 pub const SUPPORT_HIGH: f64 = 3.0;
 
-/// ...the window's mean deviation (for opposing shares) is at least this many robust standard
-/// deviations below the median member (for honest members it averages 0 over the window).
+/// The window's mean deviation is at least this many robust standard deviations beyond the
+/// median member's, below it for opposing shares, above it for dwarfing ones (for honest
+/// members it averages 0 over the window).
 pub const DEVIATION: f64 = 2.0;
 
 /// Averaged parts a replica judges a member by: fewer than shares, as a forged part is applied
@@ -179,7 +184,7 @@ impl Record {
             let norm = mean(&self.shares.iter().map(|s| s.norm).collect());
             if ratio < SUPPORT_LOW && deviation < -DEVIATION && cosine < OPPOSED_COSINE {
                 Some(Misconduct::OpposedTheStage)
-            } else if norm > SUPPORT_HIGH {
+            } else if norm > SUPPORT_HIGH || (ratio > SUPPORT_HIGH && deviation > DEVIATION) {
                 Some(Misconduct::DwarfedTheStage)
             } else {
                 None
@@ -620,6 +625,17 @@ mod tests {
             noisy.observe(&[share(bad, noise)], Duration::ZERO);
         }
         assert_eq!(noisy.accusations()[0].why, Misconduct::DwarfedTheStage);
+        // And shares scaled up under a claim scaled up alike, which the length corrected by
+        // the claim takes for short: their component along the result shows them.
+        let mut claimed = Bans::default();
+        for _ in 0..WINDOW {
+            let scaled = Support {
+                norm: 0.1,
+                ..s(10.0)
+            };
+            claimed.observe(&[share(bad, scaled)], Duration::ZERO);
+        }
+        assert_eq!(claimed.accusations()[0].why, Misconduct::DwarfedTheStage);
     }
 
     #[test]

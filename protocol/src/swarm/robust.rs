@@ -21,8 +21,10 @@
 //! and how far that component is from the median member's in units of the members' own spread
 //! (the `deviation`, a robust z-score). A share is suspect only when both say so: the ratio
 //! alone misleads when the gradients carry little common signal (late in training, tiny
-//! batches) and the deviation alone when the members agree very closely. Clipping bounds what
-//! one round of lies can do; this is the evidence that ends them ([`super::bans`]).
+//! batches) and the deviation alone when the members agree very closely. Noise leaves the
+//! component along the result about as it is; it shows in the share's length against the
+//! others' (the `norm`). Clipping bounds what one round of lies can do; this is the evidence
+//! that ends them ([`super::bans`]).
 
 /// A member's share of one part, as received: a sum over `samples`.
 #[derive(Clone, Copy, Debug)]
@@ -515,8 +517,9 @@ pub(crate) mod tests {
 
     /// A share that is mostly noise has an honest-looking component along the result but is
     /// several times as long as its stage-mates'; a small batch's noisier mean, and a DiLoCo
-    /// replica's longer move after more inner steps, are not judged longer for it (uncorrected, its mean of one sample is 2.7 times as long as the others'
-    /// of 16). Members' samples: a mean of 0.3 per coordinate under unit noise.
+    /// replica's longer move after more inner steps, are not judged longer for it
+    /// (uncorrected, a mean of one sample is 2.7 times as long as the others' of 16).
+    /// Members' samples: a mean of 0.3 per coordinate under unit noise.
     #[test]
     fn support_tells_noise_from_a_small_batch() {
         let mut rng = SeededRng::new(3);
