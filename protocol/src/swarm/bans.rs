@@ -10,11 +10,12 @@
 //! below [`SUPPORT_LOW`] with a mean deviation below -[`DEVIATION`] (flipped or zeroed shares),
 //! or their mean length or ratio rises above [`SUPPORT_HIGH`] (scaled or noisy ones), it
 //! accuses the member in its announcements, and withdraws the accusation if the window
-//! recovers (one unlucky stretch of noise costs nothing). The averaged parts are judged the same way by the members that
-//! receive them: each compares a part with its own share of it ([`super::robust::agreement`],
-//! about 1 for an honest part) and accuses an owner whose last [`PART_WINDOW`] parts had a
-//! median outside [[`PART_LOW`], [`PART_HIGH`]]. Every member sends a share to every owner and
-//! receives every part, so every replica of the stage holds its own evidence of both.
+//! recovers (one unlucky stretch of noise costs nothing). The averaged parts are judged the
+//! same way by the members that receive them: each compares a part with its own share of it
+//! ([`super::robust::agreement`], about 1 for an honest part) and accuses an owner whose last
+//! [`PART_WINDOW`] parts had a median outside [[`PART_LOW`], [`PART_HIGH`]]. Every member
+//! sends a share to every owner and receives every part, so every replica of the stage holds
+//! its own evidence of both.
 //!
 //! A peer bans a member when more than half of the member's stage (the member counted)
 //! accuses it, counting only accusers that its own view holds to be replicas of that stage. So

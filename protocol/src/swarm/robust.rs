@@ -47,6 +47,16 @@ impl<'a> Share<'a> {
             credit: 1.0,
         }
     }
+
+    /// Its claimed samples as its checked claim is worth them: times its credit.
+    pub fn credited_samples(&self) -> f64 {
+        self.samples * self.credit()
+    }
+
+    /// Its credit, never below [`super::claims::MIN_CREDIT`] nor above 1.
+    fn credit(&self) -> f64 {
+        self.credit.clamp(super::claims::MIN_CREDIT, 1.0)
+    }
 }
 
 /// The robust mean of some shares.
@@ -185,8 +195,7 @@ pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
     let typical_samples = lower_median(present.iter().map(|&i| shares[i].samples).collect());
     let cap = WEIGHT_CAP * typical_samples;
     for &i in &present {
-        let credit = shares[i].credit.clamp(super::claims::MIN_CREDIT, 1.0);
-        weights[i] = shares[i].samples.min(cap) * credit;
+        weights[i] = shares[i].samples.min(cap) * shares[i].credit();
     }
     // Shares are read in place: member j's per-sample mean at c is values[c] x inv[j].
     let vals: Vec<&[f32]> = present.iter().map(|&i| shares[i].values).collect();
@@ -250,9 +259,7 @@ pub fn centered_clip(shares: &[Share<'_>], len: usize) -> Aggregate {
         // further, in proportion.
         let norms: Vec<f64> = (0..n)
             .map(|j| {
-                let share = &shares[present[j]];
-                let credit = share.credit.clamp(super::claims::MIN_CREDIT, 1.0);
-                let r = share.samples * credit / typical_samples;
+                let r = shares[present[j]].credited_samples() / typical_samples;
                 share_sq(j).sqrt() * r.min(1.0).sqrt() / r.max(1.0)
             })
             .collect();

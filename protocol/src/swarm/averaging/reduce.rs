@@ -5,7 +5,6 @@
 use super::{Phase, Round, RoundMsg, RoundOut};
 use crate::swarm::PeerKey;
 use crate::swarm::bans::Evidence;
-use crate::swarm::claims::MIN_CREDIT;
 use crate::swarm::norms;
 use crate::swarm::robust::{self, Share};
 use std::sync::Arc;
@@ -101,7 +100,7 @@ impl Round {
         let (mut loss_sum, mut loss_weight) = (0.0, 0.0);
         for ((share, (_, _, l)), w) in shares.iter().zip(self.shares.values()).zip(&robust.weights)
         {
-            let samples = share.samples * share.credit.clamp(MIN_CREDIT, 1.0);
+            let samples = share.credited_samples();
             if let Some(l) = l.filter(|_| samples > 0.0) {
                 loss_sum += w * l / samples;
                 loss_weight += w;
