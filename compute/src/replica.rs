@@ -78,21 +78,41 @@ pub struct StageReplica<B: Backend> {
     anchor: Vec<f32>,
     /// DiLoCo outer momentum; empty until the first outer step (it is zero until then).
     outer_momentum: Vec<f32>,
-    /// Every [`direction_stride`]-th value of the last gradient this replica stepped with
-    /// (empty before its first step): what a microbatch's own gradient is compared with (see
-    /// [`StageReplica::alignment`]). A sample of the values, so that it costs little memory
-    /// on large stages.
-    direction: Vec<f32>,
+    /// A sketch (every [`sketch_stride`]-th value) of each microbatch gradient committed or dropped since
+    /// the accumulator was last taken (at most [`MAX_JUDGED`]): what the step the accumulator
+    /// goes into is compared with (see [`StageReplica::take_alignments`]). A sample of the
+    /// values, so that it costs little memory on large stages.
+    sketches: Vec<(MicrobatchId, Vec<f32>)>,
+    /// The sketches of the gradient taken last, waiting for the step it goes into.
+    taken_sketches: Vec<(MicrobatchId, Vec<f32>)>,
+    /// How well each microbatch of the last step pointed along it.
+    alignments: Vec<(MicrobatchId, f64)>,
 }
 
-/// Values of the last step's gradient that [`StageReplica::alignment`] compares, at most:
-/// enough that the cosine over them is the cosine over all to a few hundredths.
-const DIRECTION_VALUES: usize = 1 << 16;
+/// Values of a microbatch's gradient that [`StageReplica::take_alignments`] compares, at
+/// most: enough that the cosine over them is the cosine over all to a few hundredths.
+const SKETCH_VALUES: usize = 1 << 16;
 
-/// The stride of the sample of a stage's `params` values that [`StageReplica::alignment`]
-/// compares.
-fn direction_stride(params: usize) -> usize {
-    params.div_ceil(DIRECTION_VALUES).max(1)
+/// Microbatches of one step judged at most (a sketch of 256 KiB each); later ones are not.
+const MAX_JUDGED: usize = 256;
+
+/// The stride of the sample of a stage's `params` values that
+/// [`StageReplica::take_alignments`] compares.
+fn sketch_stride(params: usize) -> usize {
+    params.div_ceil(SKETCH_VALUES).max(1)
+}
+
+/// The cosine of two vectors (None if either is zero or the result not finite).
+fn cosine(a: &[f32], b: &[f32]) -> Option<f64> {
+    let (mut ab, mut aa, mut bb) = (0.0f64, 0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        let (x, y) = (f64::from(x), f64::from(y));
+        ab += x * y;
+        aa += x * x;
+        bb += y * y;
+    }
+    let norms = (aa * bb).sqrt();
+    (norms > 0.0 && norms.is_finite()).then(|| ab / norms)
 }
 
 impl<B: Backend> StageReplica<B> {
@@ -134,7 +154,9 @@ impl<B: Backend> StageReplica<B> {
             accumulated_samples: 0.0,
             anchor,
             outer_momentum: Vec::new(),
-            direction: Vec::new(),
+            sketches: Vec::new(),
+            taken_sketches: Vec::new(),
+            alignments: Vec::new(),
         })
     }
 
@@ -242,6 +264,7 @@ impl<B: Backend> StageReplica<B> {
         let Some(p) = self.pending.remove(&id) else {
             return false;
         };
+        self.keep_sketch(id, &p.grad);
         if self.accumulator.is_empty() {
             self.accumulator = p.grad;
         } else {
@@ -258,31 +281,36 @@ impl<B: Backend> StageReplica<B> {
     /// Drops microbatch `id`: its pending gradient, or its saved activations if its forward
     /// ran but not its backward. Returns whether there was anything to drop.
     pub fn abort(&mut self, id: MicrobatchId) -> bool {
-        let dropped_grad = self.pending.remove(&id).is_some();
+        let dropped = self.pending.remove(&id);
+        if let Some(p) = &dropped {
+            self.keep_sketch(id, &p.grad);
+        }
+        let dropped_grad = dropped.is_some();
         let dropped_acts = self.stage.discard(id);
         dropped_grad || dropped_acts
     }
 
-    /// How well microbatch `id`'s pending gradient points along the last step this replica
-    /// took: its cosine with that step's gradient (on a sample of the values). None before
-    /// the first step, or for an id not pending.
-    ///
-    /// A replica's gradients for one sample and the next step's point about the same way
-    /// (+0.1 to +0.2 on average in `attack.toml`); a microbatch whose activation gradients a
-    /// later hop sent negated points the other way (-0.25). The device cannot tell who sent
-    /// them; the swarm, which routed the microbatch, can.
-    pub fn alignment(&self, id: MicrobatchId) -> Option<f64> {
-        let grad = &self.pending.get(&id)?.grad;
-        let stride = direction_stride(grad.len());
-        let (mut ab, mut aa, mut bb) = (0.0f64, 0.0f64, 0.0f64);
-        for (&x, &y) in grad.iter().step_by(stride).zip(&self.direction) {
-            let (x, y) = (f64::from(x), f64::from(y));
-            ab += x * y;
-            aa += x * x;
-            bb += y * y;
+    /// Keeps a sketch of a microbatch's gradient, to be judged by the next step.
+    fn keep_sketch(&mut self, id: MicrobatchId, grad: &[f32]) {
+        if self.sketches.len() < MAX_JUDGED {
+            let stride = sketch_stride(grad.len());
+            let sketch = grad.iter().step_by(stride).copied().collect();
+            self.sketches.push((id, sketch));
         }
-        let norms = (aa * bb).sqrt();
-        (norms > 0.0 && norms.is_finite()).then(|| ab / norms)
+    }
+
+    /// How well each microbatch of the step taken last pointed along that step: the cosine
+    /// of its gradient with the step's (on a sample of the values), for the microbatches whose
+    /// gradients were committed into the gradient taken before it, or dropped while it was
+    /// collected (a gradient thrown away is judged too: the replica it came from must be able
+    /// to show it is in line again). Empty until a step is taken, and after this call.
+    ///
+    /// In allreduce mode the step is the stage's robust mean of the same step's gradients,
+    /// so an honest microbatch points along it, whichever way the last step went; one whose
+    /// activation gradients a later hop sent negated points the other way. The device cannot
+    /// tell who sent them; the swarm, which routed the microbatch, can.
+    pub fn take_alignments(&mut self) -> Vec<(MicrobatchId, f64)> {
+        std::mem::take(&mut self.alignments)
     }
 
     /// Microbatches whose gradient awaits commit or abort.
@@ -309,6 +337,7 @@ impl<B: Backend> StageReplica<B> {
             grad = vec![0.0; self.param_count()];
         }
         self.committed.clear();
+        self.taken_sketches = std::mem::take(&mut self.sketches);
         (grad, std::mem::take(&mut self.accumulated_samples))
     }
 
@@ -327,9 +356,12 @@ impl<B: Backend> StageReplica<B> {
     /// whether they may still be committed.
     pub fn apply_step(&mut self, grad: &[f32]) -> Result<u64, StageError> {
         self.check_len(grad.len())?;
-        let stride = direction_stride(grad.len());
-        self.direction.clear();
-        self.direction.extend(grad.iter().step_by(stride));
+        let stride = sketch_stride(grad.len());
+        let direction: Vec<f32> = grad.iter().step_by(stride).copied().collect();
+        self.alignments = std::mem::take(&mut self.taken_sketches)
+            .into_iter()
+            .filter_map(|(id, sketch)| Some((id, cosine(&sketch, &direction)?)))
+            .collect();
         let grad_norm = grad
             .iter()
             .map(|g| *g as f64 * *g as f64)
@@ -578,8 +610,9 @@ impl<B: Backend> StageReplica<B> {
         self.accumulated_samples = 0.0;
         self.anchor = anchor;
         self.outer_momentum = outer_momentum;
-        // The last step of another replica's history is not known here.
-        self.direction.clear();
+        self.sketches.clear();
+        self.taken_sketches.clear();
+        self.alignments.clear();
         Ok(())
     }
 

@@ -455,43 +455,57 @@ fn write_atomic_writes_overwrites_and_leaves_no_temp_file() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A microbatch's parameter gradient points along the replica's last step, and one computed
-/// on activation gradients that came back negated points against it: what a sender judges
-/// the replicas of the next stage by. Nothing to judge before the first step.
+/// The microbatches of a step are judged by the step they went into: one computed on
+/// activation gradients that came back negated points against it, honest ones along it, a
+/// gradient thrown away is judged too, and each step's judgments are given once.
 #[test]
-fn a_microbatch_on_negated_activation_gradients_points_against_the_last_step() {
+fn a_microbatch_on_negated_activation_gradients_points_against_its_step() {
+    // The pipeline judged, and another at the same parameters, as the first stage's mates.
     let mut stages = pipeline(2, 7);
-    run(&mut stages, 1, &microbatch(0));
-    assert_eq!(stages[0].alignment(1), None);
-    commit_all(&mut stages, 1);
-    step(&mut stages);
-    let alignment = |stages: &mut [StageReplica<CpuBackend>], id: u64, data: &Batch, sign: f32| {
-        let (first, last) = stages.split_at_mut(1);
-        let StageOutput::Activations(acts) = first[0]
-            .forward(id, SHAPE, StageInput::Tokens(&data.inputs), None)
-            .unwrap()
-        else {
-            panic!("activations")
+    let mut mates = pipeline(2, 7);
+    let first_stage_backward =
+        |stages: &mut [StageReplica<CpuBackend>], id: u64, data: &Batch, sign: f32| {
+            let (first, last) = stages.split_at_mut(1);
+            let StageOutput::Activations(acts) = first[0]
+                .forward(id, SHAPE, StageInput::Tokens(&data.inputs), None)
+                .unwrap()
+            else {
+                panic!("activations")
+            };
+            last[0]
+                .forward(
+                    id,
+                    SHAPE,
+                    StageInput::Activations(&acts),
+                    Some(&data.targets),
+                )
+                .unwrap();
+            let mut grad = last[0].backward(id, None, ROWS as f32).unwrap().unwrap();
+            grad.iter_mut().for_each(|g| *g *= sign);
+            first[0].backward(id, Some(&grad), ROWS as f32).unwrap();
+            assert!(last[0].abort(id));
         };
-        last[0]
-            .forward(
-                id,
-                SHAPE,
-                StageInput::Activations(&acts),
-                Some(&data.targets),
-            )
-            .unwrap();
-        let mut grad = last[0].backward(id, None, ROWS as f32).unwrap().unwrap();
-        grad.iter_mut().for_each(|g| *g *= sign);
-        first[0].backward(id, Some(&grad), ROWS as f32).unwrap();
-        first[0].alignment(id).unwrap()
-    };
-    let honest = alignment(&mut stages, 2, &microbatch(1), 1.0);
-    let negated = alignment(&mut stages, 3, &microbatch(1), -1.0);
-    assert!(honest > 0.2, "{honest}");
-    assert!(
-        (negated + honest).abs() < 1e-6,
-        "{negated} against {honest}"
-    );
-    assert_eq!(stages[0].alignment(99), None);
+    first_stage_backward(&mut stages, 1, &microbatch(1), 1.0);
+    first_stage_backward(&mut stages, 2, &microbatch(2), -1.0);
+    first_stage_backward(&mut stages, 3, &microbatch(3), 1.0);
+    assert!(stages[0].commit(1) && stages[0].commit(2));
+    assert!(stages[0].abort(3), "thrown away, judged all the same");
+    // The step the stage takes: the mean of honest gradients of the same samples, as the
+    // robust mean of a stage with an honest majority would be.
+    for id in 1..=3 {
+        run(&mut mates, id, &microbatch(id));
+        assert!(mates[0].commit(id));
+    }
+    assert!(stages[0].take_alignments().is_empty(), "no step yet");
+    let _ = stages[0].take_gradient();
+    let (mut honest, samples) = mates[0].take_gradient();
+    honest.iter_mut().for_each(|g| *g /= samples as f32);
+    stages[0].apply_step(&honest).unwrap();
+    let alignments: std::collections::BTreeMap<u64, f64> =
+        stages[0].take_alignments().into_iter().collect();
+    assert_eq!(alignments.keys().copied().collect::<Vec<_>>(), [1, 2, 3]);
+    assert!(alignments[&1] > 0.2, "{alignments:?}");
+    assert!(alignments[&3] > 0.2, "{alignments:?}");
+    assert!(alignments[&2] < -0.2, "{alignments:?}");
+    assert!(stages[0].take_alignments().is_empty(), "given once");
 }

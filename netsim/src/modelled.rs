@@ -232,7 +232,6 @@ impl ModelledStage {
                 ComputeDone::Backward {
                     id,
                     grad: (!first).then(|| self.random(self.boundary_values(rows))),
-                    alignment: None,
                 }
             }
             Job::Commit { id } => {
@@ -277,13 +276,19 @@ impl ModelledStage {
                 let r = self.serving()?;
                 check_params(r, grad.len())?;
                 r.hash = hash_update(r.hash, &grad);
-                ComputeDone::Stepped { hash: r.hash }
+                ComputeDone::Stepped {
+                    hash: r.hash,
+                    alignments: Vec::new(),
+                }
             }
             Job::LocalStep => {
                 let r = self.serving()?;
                 r.samples = 0.0;
                 r.hash = xxh3_64(&[r.hash.to_le_bytes(), *b"localstp"].concat());
-                ComputeDone::Stepped { hash: r.hash }
+                ComputeDone::Stepped {
+                    hash: r.hash,
+                    alignments: Vec::new(),
+                }
             }
             Job::OuterStep { avg, .. } => {
                 let r = self.serving()?;
@@ -291,7 +296,10 @@ impl ModelledStage {
                 r.anchor = hash_update(r.anchor, &avg);
                 r.hash = r.anchor;
                 r.outer_steps += 1;
-                ComputeDone::Stepped { hash: r.hash }
+                ComputeDone::Stepped {
+                    hash: r.hash,
+                    alignments: Vec::new(),
+                }
             }
             Job::Export { to } => {
                 let (params, fields) = {
@@ -449,7 +457,7 @@ mod tests {
         };
         let n = a.replica.as_ref().unwrap().params;
         let grad = a.random(n);
-        let ComputeDone::Stepped { hash: stepped } = a.run(Job::Step { grad }) else {
+        let ComputeDone::Stepped { hash: stepped, .. } = a.run(Job::Step { grad }) else {
             panic!()
         };
         assert_ne!(stepped, fresh);
@@ -484,7 +492,7 @@ mod tests {
         let step = |s: &mut ModelledStage, grad: &[f32]| match s.run(Job::Step {
             grad: grad.to_vec(),
         }) {
-            ComputeDone::Stepped { hash } => hash,
+            ComputeDone::Stepped { hash, .. } => hash,
             other => panic!("{other:?}"),
         };
         let (sa, sb) = (step(&mut a, &grad), step(&mut b, &grad));

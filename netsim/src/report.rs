@@ -65,6 +65,9 @@ pub struct Report {
     pub microbatches_dropped: u64,
     /// Microbatches retried on another replica.
     pub microbatches_retried: u64,
+    /// Microbatch gradients thrown away by the replicas that computed them, because the
+    /// replica of the next stage whose activation gradients they came from was out of line.
+    pub gradients_discarded: u64,
     /// Samples applied twice at one stage (must be 0).
     pub double_commits: u64,
     /// Replicas that re-synced after a parameter hash disagreement.
@@ -226,8 +229,11 @@ impl Report {
             &mut out,
             "microbatches",
             format!(
-                "{} retried, {} dropped, {} applied twice",
-                self.microbatches_retried, self.microbatches_dropped, self.double_commits
+                "{} retried, {} dropped, {} gradients discarded, {} applied twice",
+                self.microbatches_retried,
+                self.microbatches_dropped,
+                self.gradients_discarded,
+                self.double_commits
             ),
         );
         row(&mut out, "re-syncs", self.resyncs.to_string());

@@ -21,8 +21,8 @@ use shoal_compute::{Corpus, CpuBackend, ModelConfig, Residency, StageSpec};
 use shoal_protocol::swarm::attack::{Attack, Behavior};
 use shoal_protocol::swarm::message::Traffic;
 use shoal_protocol::swarm::{
-    Action, ComputeDone, Envelope, Event, Input, Job, Message, Peer, PeerKey, RunConfig, RunId,
-    SeededRng, StageCosts, SyncMode, Timing,
+    Action, ComputeDone, Envelope, Event, Input, Job, Message, Peer, PeerKey, PeerStats, RunConfig,
+    RunId, SeededRng, StageCosts, SyncMode, Timing,
 };
 use shoal_protocol::wire::FRAME_HEADER_LEN;
 use shoal_worker::{StageWorker, model_of, stage_costs};
@@ -302,7 +302,7 @@ pub struct Sim {
     warnings: BTreeMap<String, BTreeSet<usize>>,
     pending: Vec<Pending>,
     recoveries: Vec<Recovery>,
-    gone_stats: Vec<(u64, u64)>,
+    gone_stats: Vec<PeerStats>,
     moves: Vec<(f64, usize, u32, u32)>,
     /// `[sim_s, peer, bytes, seconds, senders]` of every state download completed.
     downloads: Vec<(f64, usize, u64, f64, usize)>,
@@ -795,8 +795,7 @@ impl Sim {
                         self.gossip(p, bye);
                     }
                     let stats = self.peers[p].machine.stats();
-                    self.gone_stats
-                        .push((stats.microbatches_dropped, stats.microbatches_retried));
+                    self.gone_stats.push(stats);
                     self.peers[p].gone_at = Some(now);
                     let notice = if e.kind == EventKind::Leave {
                         0.0

@@ -758,7 +758,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
     let stats = peer.stats();
     let tokens = committed_tokens(&peer);
     say!(
-        "{}: stage {} at step {}, {} microbatches ({} retried, {} dropped), {:.0} tokens/s{}",
+        "{}: stage {} at step {}, {} microbatches ({} retried, {} dropped, {} gradients discarded), {:.0} tokens/s{}",
         match &ending {
             Ending::Done => "done".to_string(),
             Ending::Stopped(signal) => format!("stopped by {signal}"),
@@ -769,6 +769,7 @@ async fn serve(args: RunArgs) -> anyhow::Result<()> {
         stats.microbatches_done,
         stats.microbatches_retried,
         stats.microbatches_dropped,
+        stats.gradients_discarded,
         tokens as f64 / start.elapsed().as_secs_f64().max(1e-9),
         tally
             .final_loss()

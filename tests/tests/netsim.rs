@@ -547,9 +547,10 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
             // The attacks that still cost honest peers: wrong activation gradients (from a
             // last stage training on wrong targets, or negated on purpose by any hop) poison
             // the shares of the replicas upstream that used them, and one of those can look
-            // like an attacker to its stage before the senders stop routing to the culprit (in
-            // this small swarm, seeds 1-12: one honest first-stage replica in 4 runs of
-            // `label-flip`, none of `flip-backward`; see the README's threat model).
+            // like an attacker to its stage before its senders find the culprit out of line
+            // and throw its gradients away (in this small swarm, seeds 1-12: one honest
+            // first-stage replica in 3 runs of `label-flip`, none of `flip-backward`; see the
+            // README's threat model).
             assert!(r.false_bans <= 1, "{behavior}: {table}");
         } else {
             assert_eq!(r.false_bans, 0, "{behavior}: {table}");
@@ -576,14 +577,19 @@ fn attacks_on_roles_claims_and_data_leave_the_honest_replicas_agreeing() {
             // Only the last stage reads targets: the attacker there trains on wrong ones, and
             // its shares give it away.
             "label-flip" => assert!(banned.contains(&r.attackers[1]), "{table}"),
+            // The first stage finds the last stage's attacker out of line and throws its
+            // gradients away (seeds 1-12: 10-14 per run; all honest, 0-3).
+            "flip-backward" => assert!(r.gradients_discarded >= 5, "{table}"),
             _ => {}
         }
         // Measured (seed 1): within +0.6% (`stale:4`, `bad-leader`), the others within 0.2%,
         // but `label-flip`, which poisons the shares upstream through its activation
-        // gradients until its ban (seeds 1-12, each against the same seed all honest: +1.0% to
-        // +2.6%; +1.4% to +11.4% before shares at a small angle from the stage's were
-        // accused), `flip-backward`, whose negated activation gradients do the same until the
-        // senders route around it (seeds 1-12: +0.1% to +1.5%), and `nan`, whose withheld
+        // gradients until its ban (seeds 1-12, each against the same seed all honest: +0.6% to
+        // +2.3%, and +4.0% in seed 4, where its gradients were thrown away and it got so
+        // little work that it was never banned: the reported loss counts its own, on wrong
+        // targets, in the last steps; +1.4% to +11.4% before shares at a small angle from the
+        // stage's were accused), `flip-backward`, whose negated activation gradients do the
+        // same until the senders throw them away (seeds 1-12: -0.3% to +1.1%), and `nan`, whose withheld
         // shares fail rounds and
         // drop microbatches until its ban (seeds 1-4: +0.2% to +2.4%; which microbatches are
         // dropped moves with any change of timing).

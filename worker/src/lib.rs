@@ -325,11 +325,7 @@ impl<B: Backend> StageWorker<B> {
                 let grad = replica
                     .backward(id, grad.as_deref(), rows as f32)
                     .map_err(err)?;
-                ComputeDone::Backward {
-                    id,
-                    grad,
-                    alignment: replica.alignment(id),
-                }
+                ComputeDone::Backward { id, grad }
             }
             Job::Commit { id } => {
                 self.serving()?.commit(id);
@@ -353,9 +349,13 @@ impl<B: Backend> StageWorker<B> {
                 values: self.serving()?.pseudo_gradient().map_err(err)?,
                 samples: 0.0,
             },
-            Job::Step { grad } => ComputeDone::Stepped {
-                hash: self.serving()?.apply_step(&grad).map_err(err)?,
-            },
+            Job::Step { grad } => {
+                let r = self.serving()?;
+                ComputeDone::Stepped {
+                    hash: r.apply_step(&grad).map_err(err)?,
+                    alignments: r.take_alignments(),
+                }
+            }
             Job::LocalStep => {
                 let r = self.serving()?;
                 let (mut g, samples) = r.take_gradient();
@@ -364,8 +364,10 @@ impl<B: Backend> StageWorker<B> {
                 }
                 let scale = 1.0 / samples.max(1.0) as f32;
                 g.iter_mut().for_each(|v| *v *= scale);
+                // A local step is this replica's own: nothing of the stage to judge by.
                 ComputeDone::Stepped {
                     hash: r.apply_step(&g).map_err(err)?,
+                    alignments: Vec::new(),
                 }
             }
             Job::OuterStep { avg, lr, momentum } => ComputeDone::Stepped {
@@ -373,6 +375,7 @@ impl<B: Backend> StageWorker<B> {
                     .serving()?
                     .apply_outer_step(&avg, lr, momentum)
                     .map_err(err)?,
+                alignments: Vec::new(),
             },
             Job::Export { to } => ComputeDone::State {
                 to,
@@ -430,7 +433,7 @@ mod tests {
         let fresh = ready(w.run(Job::Init { stage: 1 }));
         let n = w.replica().unwrap().param_count();
         let stepped = match w.run(Job::Step { grad: vec![0.5; n] }) {
-            ComputeDone::Stepped { hash } => hash,
+            ComputeDone::Stepped { hash, .. } => hash,
             other => panic!("{other:?}"),
         };
         assert_ne!(stepped, fresh);

@@ -230,14 +230,15 @@ impl Sim {
         } else {
             0.0
         };
-        let (mut dropped, mut retried) = self
-            .gone_stats
-            .iter()
-            .fold((0, 0), |(d, r), (a, b)| (d + a, r + b));
-        for p in self.peers.iter().filter(|p| p.alive()) {
-            let s = p.machine.stats();
+        let (mut dropped, mut retried, mut discarded) = (0, 0, 0);
+        let alive = self.peers.iter().filter(|p| p.alive());
+        for s in alive
+            .map(|p| p.machine.stats())
+            .chain(self.gone_stats.clone())
+        {
             dropped += s.microbatches_dropped;
             retried += s.microbatches_retried;
+            discarded += s.gradients_discarded;
         }
         let tail = &self.loss_curve[self.loss_curve.len().saturating_sub(5)..];
         let final_loss =
@@ -310,6 +311,7 @@ impl Sim {
             tokens: self.tokens,
             microbatches_dropped: dropped,
             microbatches_retried: retried,
+            gradients_discarded: discarded,
             double_commits: self.double_commits,
             resyncs: self.resyncs,
             refused_states: self.refused_states,

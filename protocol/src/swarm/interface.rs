@@ -139,10 +139,6 @@ pub enum ComputeDone {
         id: u64,
         /// Gradient of the input (none on the first stage).
         grad: Option<Vec<f32>>,
-        /// How well the attempt's parameter gradient points along the last step the replica
-        /// took (a cosine; see the compute crate's `StageReplica::alignment`), where the device
-        /// can tell: how the peer judges the activation gradients the next stage sent for it.
-        alignment: Option<f64>,
     },
     /// A contribution (TakeGradient / TakePseudoGradient).
     Gradient {
@@ -155,6 +151,11 @@ pub enum ComputeDone {
     Stepped {
         /// Parameter hash.
         hash: u64,
+        /// For a Step, where the device can tell: how well each microbatch committed into the
+        /// gradient it contributed pointed along the step (a cosine; see the compute crate's
+        /// `StageReplica::take_alignments`). How the peer judges the activation gradients the
+        /// next stage sent for them.
+        alignments: Vec<(u64, f64)>,
     },
     /// Exported state.
     State {
@@ -338,6 +339,9 @@ pub struct PeerStats {
     pub microbatches_retried: u64,
     /// Microbatches this peer dropped as a data driver.
     pub microbatches_dropped: u64,
+    /// Microbatch gradients this peer threw away because the replica of the next stage whose
+    /// activation gradients they came from was out of line (see [`super::service`]).
+    pub gradients_discarded: u64,
     /// Averaging rounds completed.
     pub rounds: u64,
     /// Rounds that lost a member's share or a part.

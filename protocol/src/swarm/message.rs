@@ -353,6 +353,15 @@ pub enum Message {
     Forward(Forward),
     /// Gradients backward.
     Backward(Backward),
+    /// In place of a [`Backward`]: the hop that sends it did not use the gradient it got for
+    /// the attempt (the replica after it sends gradients out of line), so the hops before it
+    /// skip theirs too; the driver still commits the attempt, for the hops after.
+    Discarded {
+        /// The attempt.
+        id: u64,
+        /// The whole route, driver first, as in [`Backward`].
+        route: Vec<PeerKey>,
+    },
     /// Activations of a held-out microbatch forward (an evaluation: no backward pass follows,
     /// `sample` indexes the held-out data and `round` is the step evaluated).
     Evaluate(Forward),
@@ -505,7 +514,7 @@ impl Message {
     pub fn traffic(&self) -> Traffic {
         match self {
             Message::Forward(_) | Message::Evaluate(_) => Traffic::Activations,
-            Message::Backward(_) => Traffic::ActivationGrads,
+            Message::Backward(_) | Message::Discarded { .. } => Traffic::ActivationGrads,
             Message::Round { .. } | Message::CatchUp { .. } => Traffic::Averaging,
             Message::StateChunk(_)
             | Message::StateRequest { .. }

@@ -282,6 +282,7 @@ impl Peer {
             microbatches_done: steps.microbatches,
             microbatches_retried: ledger.retried,
             microbatches_dropped: ledger.dropped,
+            gradients_discarded: self.service.discarded(),
             rounds: steps.rounds,
             rounds_degraded: steps.rounds_degraded,
             state_transfers: self.role.state_transfers,
@@ -419,6 +420,7 @@ impl Peer {
             Message::Announce(a) => self.on_announce(from, None, a, now),
             Message::Forward(f) => self.on_forward(from, f, now),
             Message::Backward(b) => self.on_backward(from, b, now),
+            Message::Discarded { id, route } => self.on_discarded(from, id, route, now),
             Message::Evaluate(f) => self.on_evaluate(from, f, now),
             Message::Evaluated { id, loss } => self.on_evaluated(from, id, loss, now),
             Message::Commit { id } => self.server.on_commit(out, from, id),
@@ -654,18 +656,12 @@ impl Peer {
                 self.on_held_out_done(id, output, now)
             }
             ComputeDone::Forward { id, output } => self.on_forward_done(id, output, now),
-            ComputeDone::Backward {
-                id,
-                mut grad,
-                alignment,
-            } => {
-                if let (Some(a), Some(g)) = (self.attack.as_ref(), grad.as_mut()) {
+            ComputeDone::Backward { id, mut grad } => {
+                if let Some((a, g)) = self.attack.as_ref().zip(grad.as_mut()) {
                     a.activation_gradient(g);
                 }
-                if let Some(alignment) = alignment {
-                    self.judge_gradients(id, alignment);
-                }
-                self.on_backward_done(id, grad, now)
+                let discarded = self.gradient_judged(id);
+                self.on_backward_done(id, grad, discarded, now)
             }
             ComputeDone::Gradient {
                 mut values,
@@ -680,7 +676,12 @@ impl Peer {
                     self.send_progress();
                 }
             }
-            ComputeDone::Stepped { hash } => self.on_stepped(hash, now),
+            ComputeDone::Stepped { hash, alignments } => {
+                if self.allreduce() {
+                    self.service.judge(&alignments);
+                }
+                self.on_stepped(hash, now)
+            }
             ComputeDone::State { to, bytes } => {
                 if let Some(stage) = self.role.stage() {
                     let at = self.state_at(stage);

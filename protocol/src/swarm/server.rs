@@ -369,13 +369,17 @@ impl StageServer {
     }
 
     /// A hop's backward pass finished: send the gradient of its input to the previous stage
-    /// (the last stage appends itself to the route the driver commits along).
+    /// (the last stage appends itself to the route the driver commits along). A `discarded`
+    /// one (its gradient came from a replica out of line) drops its parameter gradient, and
+    /// the stage before is told to drop its own instead of being sent a gradient.
+    #[allow(clippy::too_many_arguments)]
     pub fn on_backward_done(
         &mut self,
         out: &mut Outbox,
         me: PeerKey,
         attempt: u64,
         grad: Option<Vec<f32>>,
+        discarded: bool,
         at: &Serving,
         codec: impl FnOnce(PeerKey, usize) -> Codec,
         now: Duration,
@@ -390,6 +394,10 @@ impl StageServer {
         if at.last {
             route.push(me);
         }
+        if discarded {
+            // The commit that follows adds nothing: its job finds no gradient pending.
+            out.compute(Job::Abort { id: attempt });
+        }
         let Some(prev) = at
             .stage
             .and_then(|s| s.checked_sub(1))
@@ -397,6 +405,10 @@ impl StageServer {
         else {
             return;
         };
+        if discarded {
+            out.send(prev, Message::Discarded { id: attempt, route });
+            return;
+        }
         // Nothing sent if it cannot be encoded: the driver's deadline retries the microbatch.
         let grad = grad.unwrap_or_default();
         let codec = codec(prev, grad.len());
@@ -411,6 +423,41 @@ impl StageServer {
                 grad,
             }),
         );
+    }
+
+    /// The peer a hop's activations went to discarded the gradient it got for them: this hop
+    /// runs no backward pass and drops the attempt's activations, and the stage before is told
+    /// the same. The commit that follows counts the attempt's samples toward the step but adds
+    /// no gradient here. Returns whether the message was the hop's answer (from the peer the
+    /// activations went to, before any gradient).
+    pub fn on_discarded(
+        &mut self,
+        out: &mut Outbox,
+        from: PeerKey,
+        attempt: u64,
+        route: Vec<PeerKey>,
+        at: &Serving,
+        now: Duration,
+    ) -> bool {
+        let Some(h) = self.hops.get_mut(&attempt) else {
+            return false;
+        };
+        if h.next != Some(from) || h.backward_done {
+            return false;
+        }
+        h.route = route;
+        out.compute(Job::Abort { id: attempt });
+        h.backward_done = true;
+        h.expires = now + at.hop_lifetime;
+        let prev = at
+            .stage
+            .and_then(|s| s.checked_sub(1))
+            .and_then(|s| h.route.get(s as usize).copied());
+        if let Some(prev) = prev {
+            let route = h.route.clone();
+            out.send(prev, Message::Discarded { id: attempt, route });
+        }
+        true
     }
 
     /// Encodes a tensor with `codec`; None (reported) if it cannot be, e.g. values that are

@@ -21,16 +21,23 @@
 //! The answers are judged too. A replica of the next stage could answer in time with wrong
 //! activation gradients (negated, or computed against wrong targets): nobody recomputes them,
 //! its own shares stay honest, and the shares of the replicas that ran their backward passes on
-//! them go wrong in proportion, so much that their stage-mates took them for attackers. The
-//! device tells how well each microbatch's parameter gradient points along the last step this
-//! replica took (its alignment: +0.1 to +0.2 on average from honest gradients in
-//! `attack.toml`, -0.25 from negated ones, with a spread of 0.25 per microbatch). A replica
-//! whose moving average of them is more than [`MISALIGNED_BY`] below the typical replica's
-//! (the lower median) has each of its microbatches halve its quality, down to
-//! [`MIN_QUALITY`], and each one back in line double it, up to 1; the routing weight is
-//! scaled by the quality as by the factor. So a sender stops feeding the replica that poisons
-//! it after three to six of its microbatches, without anyone's word; it is no ban (the
-//! evidence is one peer's, and the culprit is not in its stage).
+//! them go wrong in proportion, so much that their stage-mates took them for attackers. Once
+//! the step a microbatch's parameter gradient went into is taken, the device tells how well
+//! the gradient pointed along it (its alignment: a cosine with the stage's robust mean of the
+//! same step's gradients, so an honest microbatch points along it whichever way the step
+//! before went). Judged against the step before instead, honest microbatches of `attack.toml`
+//! averaged -0.02 to +0.32 with a spread of 0.41-0.56 per microbatch in a clean run (its
+//! stages' steps often reverse); against their own step, +0.86 to +0.95 (spread 0.03-0.05)
+//! early and +0.4 to +0.56 (spread 0.13-0.26) later on, when the steps are noisier, and under
+//! `flip-backward` the negated ones -0.05 to -0.59 on average. A replica whose moving
+//! average of them is more than [`MISALIGNED_BY`] below the typical replica's (the lower
+//! median) is out of line: each of its microbatches halves its quality, down to
+//! [`MIN_QUALITY`], and each one back in line doubles it, up to 1; the routing weight is
+//! scaled by the quality as by the factor. And while it is out of line, the gradients it sends
+//! are thrown away ([`Service::gradient_from`]): the sender drops the parameter gradient they
+//! give and the stages before it drop theirs, instead of passing the poison on. Thrown-away
+//! gradients are judged all the same, so a replica whose average strayed comes back. It is
+//! no ban: the evidence is one peer's, and the culprit is not in its stage.
 
 use crate::swarm::PeerKey;
 use std::collections::{BTreeMap, HashMap};
@@ -102,6 +109,8 @@ struct Timed {
     alignment: f64,
     /// Alignments taken into it.
     aligned: u32,
+    /// Whether its average is out of line now: gradients it sends are not used.
+    misaligned: bool,
     /// What its routing weight is multiplied by for the gradients it sends.
     quality: f64,
 }
@@ -118,6 +127,12 @@ pub struct Service {
     /// Attempt id -> the replica it went to and when.
     in_flight: HashMap<u64, (PeerKey, Duration)>,
     replicas: BTreeMap<PeerKey, Timed>,
+    /// Attempt id -> the replica whose activation gradients its parameter gradient came from,
+    /// for the microbatches whose step is still to be taken (recorded since the last step,
+    /// and in the step before: a microbatch committed while a round runs goes into the next).
+    unjudged: [HashMap<u64, PeerKey>; 2],
+    /// Gradients thrown away as out of line.
+    discarded: u64,
 }
 
 impl Service {
@@ -174,9 +189,40 @@ impl Service {
         timed.scale(if late { STEP_DOWN } else { 1.0 / STEP_DOWN });
     }
 
+    /// The parameter gradient of `attempt` was computed on activation gradients `from` sent:
+    /// it is judged when the step it goes into is taken. Returns whether `from` is out of
+    /// line now, so that the gradient is not to be used at all.
+    pub fn gradient_from(&mut self, attempt: u64, from: PeerKey) -> bool {
+        if self.unjudged[0].len() < MAX_TIMED {
+            self.unjudged[0].insert(attempt, from);
+        }
+        let discard = self.replicas.get(&from).is_some_and(|t| t.misaligned);
+        self.discarded += u64::from(discard);
+        discard
+    }
+
+    /// Gradients thrown away as out of line so far.
+    pub fn discarded(&self) -> u64 {
+        self.discarded
+    }
+
+    /// The step was taken: how well each of its microbatches pointed along it (`alignments`,
+    /// attempt id and cosine). Each is evidence about the replica whose activation gradients
+    /// it was computed on.
+    pub fn judge(&mut self, alignments: &[(u64, f64)]) {
+        for (attempt, alignment) in alignments {
+            let from = self.unjudged.iter_mut().find_map(|m| m.remove(attempt));
+            if let Some(from) = from {
+                self.aligned(from, *alignment);
+            }
+        }
+        let [newer, older] = &mut self.unjudged;
+        *older = std::mem::take(newer);
+    }
+
     /// A microbatch whose activation gradients `from` sent gave a parameter gradient that
-    /// points `alignment` along this replica's last step.
-    pub fn aligned(&mut self, from: PeerKey, alignment: f64) {
+    /// points `alignment` along the step it went into.
+    fn aligned(&mut self, from: PeerKey, alignment: f64) {
         if !alignment.is_finite() {
             return;
         }
@@ -187,9 +233,9 @@ impl Service {
             _ => (1.0 - ALIGNMENT_WEIGHT) * t.alignment + ALIGNMENT_WEIGHT * alignment,
         };
         t.aligned = t.aligned.saturating_add(1);
-        let misaligned =
+        t.misaligned =
             t.aligned >= 2 && typical.is_some_and(|typical| t.alignment < typical - MISALIGNED_BY);
-        t.quality = if misaligned {
+        t.quality = if t.misaligned {
             (t.quality * QUALITY_STEP).max(MIN_QUALITY)
         } else {
             (t.quality / QUALITY_STEP).min(1.0)
@@ -220,6 +266,7 @@ impl Service {
             in_flight: 0,
             alignment: 0.0,
             aligned: 0,
+            misaligned: false,
             quality: 1.0,
         })
     }
@@ -312,39 +359,58 @@ mod tests {
         assert_eq!(s.observed(PeerKey(3)).factor, 1.0);
     }
 
-    /// Five replicas send gradients whose microbatches align with this replica's steps by
-    /// +0.2 give or take 0.25; a sixth negates its gradients (-0.25): its quality falls to the
-    /// least within six of its microbatches while the others keep theirs, and comes back
-    /// once its gradients are in line again.
+    /// Five replicas send gradients whose microbatches align with the steps they go into by
+    /// +0.5 give or take 0.25; a sixth negates its gradients (-0.5): from its second
+    /// microbatch on its gradients are thrown away, and its quality falls to the least within
+    /// six, while the others keep theirs and none of their gradients is thrown away. Once in
+    /// line again (its thrown-away gradients are judged too) it comes back.
     #[test]
     fn a_replica_whose_gradients_point_elsewhere_loses_its_work_and_regains_it_in_line() {
         let mut s = Service::default();
         let noise = [0.25, -0.25, 0.1, -0.1, 0.0, 0.2, -0.2];
-        let mut i = 0;
-        let mut round = |s: &mut Service, liar: f64| {
+        let mut id = 0;
+        // One step: a microbatch from each replica; returns those thrown away.
+        let mut step = |s: &mut Service, liar: f64| {
+            let mut alignments = Vec::new();
+            let mut discarded = Vec::new();
             for peer in 1..=6 {
-                i += 1;
-                let spread = noise[i % noise.len()];
-                let mean = if peer == 6 { liar } else { 0.2 };
-                s.aligned(PeerKey(peer), mean + spread);
+                id += 1;
+                if s.gradient_from(id, PeerKey(peer)) {
+                    discarded.push(peer);
+                }
+                let mean = if peer == 6 { liar } else { 0.5 };
+                alignments.push((id, mean + noise[id as usize % noise.len()]));
             }
+            s.judge(&alignments);
+            discarded
         };
-        round(&mut s, 0.2);
-        round(&mut s, 0.2);
-        for _ in 0..6 {
-            round(&mut s, -0.25);
+        assert!(step(&mut s, 0.5).is_empty());
+        assert!(step(&mut s, 0.5).is_empty());
+        assert!(step(&mut s, -0.5).is_empty(), "judged after its step");
+        assert_eq!(step(&mut s, -0.5), [6]);
+        for _ in 0..4 {
+            assert_eq!(step(&mut s, -0.5), [6]);
         }
         assert_eq!(s.observed(PeerKey(6)).factor, MIN_QUALITY);
         for p in 1..=5 {
             assert_eq!(s.observed(PeerKey(p)).factor, 1.0, "{p}");
         }
+        assert_eq!(s.discarded(), 5);
         for _ in 0..12 {
-            round(&mut s, 0.2);
+            step(&mut s, 0.5);
         }
         assert_eq!(s.observed(PeerKey(6)).factor, 1.0);
-        // Not a number is no evidence.
-        s.aligned(PeerKey(1), f64::NAN);
+        assert!(step(&mut s, 0.5).is_empty());
+        // Not a number is no evidence; an attempt judged twice, or never recorded, neither.
+        s.gradient_from(1000, PeerKey(1));
+        s.judge(&[(1000, f64::NAN), (1001, -1.0)]);
+        s.judge(&[(1000, -1.0)]);
         assert_eq!(s.observed(PeerKey(1)).factor, 1.0);
+        // What is never judged is forgotten after two steps.
+        s.gradient_from(1002, PeerKey(1));
+        s.judge(&[]);
+        s.judge(&[]);
+        assert!(s.unjudged.iter().all(HashMap::is_empty));
     }
 
     #[test]

@@ -193,11 +193,7 @@ impl ToyStage {
                     .collect();
                 self.pending.insert(id, (g, rows));
                 let grad = (self.stage > 0).then(|| vec![0.5; rows as usize * ACTS_PER_ROW]);
-                ComputeDone::Backward {
-                    id,
-                    grad,
-                    alignment: None,
-                }
+                ComputeDone::Backward { id, grad }
             }
             Job::Commit { id } => {
                 if let Some((g, rows)) = self.pending.remove(&id) {
@@ -237,6 +233,7 @@ impl ToyStage {
                 self.version += 1;
                 ComputeDone::Stepped {
                     hash: hash(&self.params),
+                    alignments: Vec::new(),
                 }
             }
             Job::LocalStep => {
@@ -248,6 +245,7 @@ impl ToyStage {
                     .for_each(|(p, g)| *p -= 0.01 * g / s);
                 ComputeDone::Stepped {
                     hash: hash(&self.params),
+                    alignments: Vec::new(),
                 }
             }
             Job::OuterStep { avg, lr, .. } => {
@@ -260,6 +258,7 @@ impl ToyStage {
                 self.anchor = self.params.clone();
                 ComputeDone::Stepped {
                     hash: hash(&self.params),
+                    alignments: Vec::new(),
                 }
             }
             Job::Checkpoint { .. } => ComputeDone::Done,

@@ -217,15 +217,15 @@ impl Exercise {
             Job::Backward { id, rows, .. } => ComputeDone::Backward {
                 id,
                 grad: (self.stage > 0).then(|| vec![0.25; rows as usize * ACTS_PER_ROW]),
-                alignment: None,
             },
             Job::TakeGradient | Job::TakePseudoGradient => ComputeDone::Gradient {
                 values: vec![0.1; PARAMS],
                 samples: 2.0,
             },
-            Job::Step { .. } | Job::LocalStep | Job::OuterStep { .. } => {
-                ComputeDone::Stepped { hash: 9 }
-            }
+            Job::Step { .. } | Job::LocalStep | Job::OuterStep { .. } => ComputeDone::Stepped {
+                hash: 9,
+                alignments: Vec::new(),
+            },
             Job::Commit { .. } | Job::Abort { .. } | Job::Checkpoint { .. } => ComputeDone::Done,
         };
         self.peer.handle_compute_done(done, self.now);
@@ -316,6 +316,10 @@ impl Exercise {
             2 if b.u8().is_multiple_of(4) => Message::Evaluated {
                 id: b.u64(),
                 loss: [1.0, f32::NAN, -1.0, 1e9][b.u8() as usize % 4],
+            },
+            2 if b.u8().is_multiple_of(4) => Message::Discarded {
+                id: b.u64(),
+                route: vec![ME, from],
             },
             2 => Message::Backward(Backward {
                 id: b.u64(),

@@ -316,38 +316,86 @@ impl Peer {
         }
     }
 
-    /// The backward pass of `id` gave a parameter gradient that points `alignment` along
-    /// this replica's last step: evidence about the replica of the next stage whose
-    /// activation gradients it ran on (see [`crate::swarm::service`]). Allreduce only: in
-    /// DiLoCo each replica of the next stage steps on its own between outer rounds, so honest
-    /// ones send gradients of different parameters, and judged by them honest replicas lost
-    /// work (`wan`, seeds 1-3: loss +0.5% to +1.2%).
-    pub(super) fn judge_gradients(&mut self, id: u64, alignment: f64) {
-        if self.config.sync != SyncMode::AllReduce {
+    /// The peer a microbatch's activations went to discarded the gradient it got for them
+    /// (see [`Peer::gradient_judged`]): this hop drops its part of the microbatch too, and
+    /// the driver commits it for the hops after.
+    pub(super) fn on_discarded(
+        &mut self,
+        from: PeerKey,
+        id: u64,
+        route: Vec<PeerKey>,
+        now: Duration,
+    ) {
+        let Some(stage) = self.role.serving() else {
             return;
+        };
+        if let Some(rows) = self.driver.entry(id).map(|e| e.rows).filter(|_| stage == 0) {
+            // Only the first hop answers the driver: a later one skipping it would leave it
+            // a hop that never ran its backward pass, whose samples the commit cannot count.
+            if self.driver.first_hop(id) != Some(from) {
+                return;
+            }
+            let (stages, per_sample) = (self.config.stages, self.costs.activation_values);
+            let values = per_sample * rows as usize;
+            let accepted = self.driver.came_home(
+                &mut self.out,
+                self.me,
+                id,
+                route,
+                values,
+                stages,
+                per_sample,
+            );
+            if let Some((sample, rows)) = accepted {
+                self.service.answered(id, from, now);
+                self.server.expect_commit(id, self.me, sample, rows, None);
+                self.out.compute(Job::Abort { id });
+                self.commit_driven(id, now);
+            }
+            return;
+        }
+        let at = self.serving();
+        if self
+            .server
+            .on_discarded(&mut self.out, from, id, route, &at, now)
+        {
+            self.service.answered(id, from, now);
+        }
+    }
+
+    /// The backward pass of `id` ran on activation gradients from a replica of the next
+    /// stage: its parameter gradient is evidence about that replica once the step it goes
+    /// into is taken (see [`crate::swarm::service`]). Returns whether that replica is out of
+    /// line already: the microbatch's parameter gradient is then discarded here, and the
+    /// stages before discard theirs, rather than pass its poison on to the shares of the
+    /// whole route. The microbatch still counts toward the step (the driver commits it for
+    /// the stages after), so a discard costs the stages before some samples, never a retry.
+    /// Allreduce only: in DiLoCo each replica of the next stage steps on its own between
+    /// outer rounds, so honest ones send gradients of different parameters, and judged by
+    /// them honest replicas lost work (`wan`, seeds 1-3: loss +0.5% to +1.2%).
+    pub(super) fn gradient_judged(&mut self, id: u64) -> bool {
+        if self.config.sync != SyncMode::AllReduce {
+            return false;
         }
         let next = self
             .server
             .next_of(id)
             .or_else(|| self.driver.first_hop(id));
-        if let Some(next) = next {
-            self.service.aligned(next, alignment);
-        }
+        next.is_some_and(|next| self.service.gradient_from(id, next))
     }
 
-    pub(super) fn on_backward_done(&mut self, id: u64, grad: Option<Vec<f32>>, now: Duration) {
+    pub(super) fn on_backward_done(
+        &mut self,
+        id: u64,
+        grad: Option<Vec<f32>>,
+        discarded: bool,
+        now: Duration,
+    ) {
         if self.role.stage().unwrap_or(0) == 0 && self.driver.entry(id).is_some() {
-            match self.driver.commit(&mut self.out, id, now) {
-                Some((entry, hops)) => {
-                    let round = self.steps.claim_round();
-                    self.witness.record(round, &hops, entry.rows);
-                    let loss = self.server.pending_loss(id);
-                    self.server
-                        .expect_commit(id, self.me, entry.sample, entry.rows, loss);
-                    self.server.commit(&mut self.out, id);
-                }
-                None => self.out.compute(Job::Abort { id }),
+            if discarded {
+                self.out.compute(Job::Abort { id });
             }
+            self.commit_driven(id, now);
             return;
         }
         let at = self.serving();
@@ -356,7 +404,22 @@ impl Peer {
         let links = &mut self.links;
         let codec = |to, values| links.choose(to, hop, values, per_microbatch);
         self.server
-            .on_backward_done(&mut self.out, self.me, id, grad, &at, codec, now);
+            .on_backward_done(&mut self.out, self.me, id, grad, discarded, &at, codec, now);
+    }
+
+    /// A microbatch this peer drives came home: it is committed along its route, and here.
+    fn commit_driven(&mut self, id: u64, now: Duration) {
+        match self.driver.commit(&mut self.out, id, now) {
+            Some((entry, hops)) => {
+                let round = self.steps.claim_round();
+                self.witness.record(round, &hops, entry.rows);
+                let loss = self.server.pending_loss(id);
+                self.server
+                    .expect_commit(id, self.me, entry.sample, entry.rows, loss);
+                self.server.commit(&mut self.out, id);
+            }
+            None => self.out.compute(Job::Abort { id }),
+        }
     }
 
     /// The codec to send `values` of a boundary tensor to `to` in: `hop`'s light codec while

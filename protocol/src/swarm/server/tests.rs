@@ -37,7 +37,8 @@ fn forward(id: u64, round: u64) -> Forward {
 
 /// The backward pass of attempt 1 is done here: its gradient (fp32) goes back.
 fn backward_done(s: &mut StageServer, out: &mut Outbox, at: &Serving) {
-    s.on_backward_done(out, ME, 1, Some(vec![0.0; 8]), at, |_, _| Codec::Fp32, MS);
+    let fp32 = |_, _| Codec::Fp32;
+    s.on_backward_done(out, ME, 1, Some(vec![0.0; 8]), false, at, fp32, MS);
 }
 
 #[test]
@@ -337,6 +338,7 @@ fn drivers_hear_at_once_of_work_stuck_at_a_gone_peer_or_a_replaced_stage() {
         ME,
         2,
         Some(vec![0.0; 8]),
+        false,
         &at,
         |_, _| Codec::Fp32,
         MS,
@@ -350,4 +352,64 @@ fn drivers_hear_at_once_of_work_stuck_at_a_gone_peer_or_a_replaced_stage() {
     s.abandon(&mut out);
     assert_eq!(sends(&mut out).len(), 2);
     assert_eq!(s.next_timeout(), None);
+}
+
+/// A hop whose gradient came from a replica out of line drops its parameter gradient and tells
+/// the stage before to drop its own; a hop told so by the peer it sent to runs no backward
+/// pass and passes the word on. Either way the driver's commit still counts the samples
+/// (its job finds nothing pending), and only the peer the activations went to can say it.
+#[test]
+fn a_discarded_gradient_is_dropped_along_the_route_and_its_commit_adds_nothing() {
+    const NEXT: PeerKey = PeerKey(7);
+    let at = serving();
+    let route = vec![DRIVER, PREV, ME, NEXT];
+    let back = |id| Backward {
+        id,
+        route: route.clone(),
+        grad: Vec::new(),
+    };
+    let discarded = |id| Message::Discarded {
+        id,
+        route: route.clone(),
+    };
+    let mut s = StageServer::default();
+    let mut out = Outbox::new(ME);
+    for id in [1, 2] {
+        s.on_forward(&mut out, PREV, forward(id, 3), &at, Duration::ZERO);
+        s.sent(id, NEXT);
+    }
+    jobs(&mut out);
+    out.drain();
+
+    // Judged here: no gradient goes back, the word does.
+    assert!(s.on_backward(&mut out, NEXT, back(1), vec![0.0; 8], &at, MS));
+    assert_eq!(jobs(&mut out).len(), 1, "its backward pass");
+    s.on_backward_done(
+        &mut out,
+        ME,
+        1,
+        Some(vec![0.0; 8]),
+        true,
+        &at,
+        |_, _| Codec::Fp32,
+        MS,
+    );
+    assert_eq!(jobs(&mut out), [Job::Abort { id: 1 }]);
+    assert_eq!(sends(&mut out), [(PREV, discarded(1))]);
+
+    // Judged after: only the peer the activations went to is heard, once.
+    assert!(!s.on_discarded(&mut out, PeerKey(9), 2, route.clone(), &at, MS));
+    assert!(s.on_discarded(&mut out, NEXT, 2, route.clone(), &at, MS));
+    assert_eq!(jobs(&mut out), [Job::Abort { id: 2 }]);
+    assert_eq!(sends(&mut out), [(PREV, discarded(2))]);
+    assert!(!s.on_discarded(&mut out, NEXT, 2, route.clone(), &at, MS));
+    assert!(!s.on_backward(&mut out, NEXT, back(2), vec![0.0; 8], &at, MS));
+    assert!(jobs(&mut out).is_empty() && out.drain().is_empty());
+
+    // The driver commits both: the samples count toward the step.
+    for id in [1, 2] {
+        s.on_commit(&mut out, DRIVER, id);
+        assert_eq!(jobs(&mut out), [Job::Commit { id }]);
+        assert_eq!(s.committed(id).map(|c| c.rows), Some(2));
+    }
 }
