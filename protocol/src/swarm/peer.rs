@@ -580,6 +580,8 @@ impl Peer {
             self.peer_gone(gone, now);
         }
         self.exports.expire(now);
+        let in_round = self.steps.in_round();
+        self.exports.resume(&mut self.out, in_round, now);
         self.exports.pump(&mut self.out, now);
         self.steps.keep_history_since(self.exports.history_needed());
         if now >= self.next_announce {

@@ -442,7 +442,15 @@ impl StageServer {
         let Some(h) = self.hops.get_mut(&attempt) else {
             return false;
         };
-        if h.next != Some(from) || h.backward_done {
+        if h.next != Some(from) {
+            // The attempt id is secret to its route: no honest peer sends this.
+            out.violation(
+                from,
+                "a discarded answer from a peer the microbatch did not go to",
+            );
+            return false;
+        }
+        if h.backward_done {
             return false;
         }
         h.route = route;

@@ -333,6 +333,10 @@ impl Peer {
             // Only the first hop answers the driver: a later one skipping it would leave it
             // a hop that never ran its backward pass, whose samples the commit cannot count.
             if self.driver.first_hop(id) != Some(from) {
+                self.out.violation(
+                    from,
+                    "a discarded answer from a peer the microbatch did not go to",
+                );
                 return;
             }
             let (stages, per_sample) = (self.config.stages, self.costs.activation_values);
