@@ -78,10 +78,10 @@ pub struct StageReplica<B: Backend> {
     anchor: Vec<f32>,
     /// DiLoCo outer momentum; empty until the first outer step (it is zero until then).
     outer_momentum: Vec<f32>,
-    /// A sketch (every [`sketch_stride`]-th value) of each microbatch gradient committed or dropped since
-    /// the accumulator was last taken (at most [`MAX_JUDGED`]): what the step the accumulator
-    /// goes into is compared with (see [`StageReplica::take_alignments`]). A sample of the
-    /// values, so that it costs little memory on large stages.
+    /// A sketch (every [`sketch_stride`]-th value) of each microbatch gradient committed or
+    /// dropped since the accumulator was last taken (at most [`MAX_JUDGED`]): what the step the
+    /// accumulator goes into is compared with (see [`StageReplica::take_alignments`]). A sample
+    /// of the values, so that it costs little memory on large stages.
     sketches: Vec<(MicrobatchId, Vec<f32>)>,
     /// The sketches of the gradient taken last, waiting for the step it goes into.
     taken_sketches: Vec<(MicrobatchId, Vec<f32>)>,

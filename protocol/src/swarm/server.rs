@@ -108,6 +108,15 @@ pub(super) struct Serving {
     pub max_hops: usize,
 }
 
+impl Serving {
+    /// The hop of `route` (driver first, one peer per stage) that sent this stage its
+    /// activations: where gradients, or the word that none comes, go back.
+    fn previous_hop(&self, route: &[PeerKey]) -> Option<PeerKey> {
+        let stage = self.stage?.checked_sub(1)?;
+        route.get(stage as usize).copied()
+    }
+}
+
 /// The replica's microbatch work for others, and its pending commits.
 #[derive(Debug, Default)]
 pub(super) struct StageServer {
@@ -398,11 +407,7 @@ impl StageServer {
             // The commit that follows adds nothing: its job finds no gradient pending.
             out.compute(Job::Abort { id: attempt });
         }
-        let Some(prev) = at
-            .stage
-            .and_then(|s| s.checked_sub(1))
-            .and_then(|s| route.get(s as usize).copied())
-        else {
+        let Some(prev) = at.previous_hop(&route) else {
             return;
         };
         if discarded {
@@ -457,11 +462,7 @@ impl StageServer {
         out.compute(Job::Abort { id: attempt });
         h.backward_done = true;
         h.expires = now + at.hop_lifetime;
-        let prev = at
-            .stage
-            .and_then(|s| s.checked_sub(1))
-            .and_then(|s| h.route.get(s as usize).copied());
-        if let Some(prev) = prev {
+        if let Some(prev) = at.previous_hop(&h.route) {
             let route = h.route.clone();
             out.send(prev, Message::Discarded { id: attempt, route });
         }
