@@ -384,12 +384,15 @@ pub(super) fn majority_hash(
 }
 
 /// The hash vote, seen from a replica at `round` of `stage` whose parameters hash to `mine`
-/// when `from` announced `theirs` for the same round: this replica loses if fewer serving
-/// replicas announced its hash for this round than the other's (itself counted; what they
-/// announced for it counts after they moved on, see [`Member::hash_at`]), or as many, every
-/// serving replica of the stage has announced this round (no vote is still to come) and the
-/// other side has more replicas among all that announced the round (checked or not), or as
-/// many and the smaller key. The loser downloads the winner's state. Without the second
+/// when `from` announced `theirs` for the same round: this replica loses if more serving
+/// replicas announced the other's hash for this round than its own (itself counted; what they
+/// announced for it counts after they moved on, see [`Member::hash_at`]) and those still at an
+/// earlier round together (the first announcements to arrive may be a colluding minority's,
+/// sent at once: two attackers agreeing on a forged hash had outvoted the last replica to
+/// finish a run while the others' announcements of the last round were on their way), or as
+/// many, every serving replica of the stage has announced this round (no vote is still to
+/// come) and the other side has more replicas among all that announced the round (checked or
+/// not), or as many and the smaller key. The loser downloads the winner's state. Without the second
 /// condition the first announcement of a round to arrive would win a tie of one against one,
 /// however many replicas were still to announce the majority's hash. Only the replicas
 /// `verified` admits vote: those whose work this replica checked (identities that only
@@ -412,7 +415,8 @@ pub(super) fn outvoted(
     mine: u64,
     verified: impl Fn(PeerKey) -> bool,
 ) -> bool {
-    let (mut for_theirs, mut for_mine, mut to_come) = (0, 1, 0);
+    // Checked replicas yet to announce the round, and past it with no hash of it known.
+    let (mut for_theirs, mut for_mine, mut to_come, mut unknown) = (0, 1, 0, 0);
     // Every serving replica's announcement, checked or not: only for a tie of checked ones.
     let (mut all_theirs, mut all_mine) = (0, 1);
     for k in members.serving_in(stage) {
@@ -426,15 +430,16 @@ pub(super) fn outvoted(
             continue;
         }
         match hash {
-            None => to_come += 1,
+            None if m.announcement.round < round => to_come += 1,
+            None => unknown += 1,
             Some(h) if h == theirs => for_theirs += 1,
             Some(h) if h == mine => for_mine += 1,
             Some(_) => {}
         }
     }
-    for_theirs > for_mine
+    for_theirs > for_mine + to_come
         || (for_theirs == for_mine
-            && to_come == 0
+            && to_come + unknown == 0
             && (all_theirs > all_mine || (all_theirs == all_mine && from < me)))
 }
 
@@ -731,6 +736,13 @@ mod tests {
         let early = members(&[(3, 1, 1, 3), (8, 1, 0, 7), (6, 1, 0, 7)]);
         let vote_at = |m: &Membership, round| outvoted(m, ME, 1, round, PeerKey(3), 3, 7, ALL);
         assert!(!vote_at(&early, 1), "one to one, two still to announce");
+        // Nor does a minority that announces first (two colluders that agree on a forged
+        // hash and announce it before the others): the side that wins must be more than this
+        // one's and every vote still to come.
+        let first = members(&[(9, 1, 1, 3), (8, 1, 1, 3), (6, 1, 0, 7), (5, 1, 0, 7)]);
+        assert!(!vote_at(&first, 1), "two to one, two still to announce");
+        let decided = members(&[(9, 1, 1, 3), (8, 1, 1, 3), (6, 1, 1, 3), (5, 1, 0, 7)]);
+        assert!(vote_at(&decided, 1), "three to one, one still to announce");
         let settled = members(&[(3, 1, 0, 3), (8, 1, 0, 7), (6, 1, 0, 3)]);
         assert!(
             vote_at(&settled, 0),
