@@ -392,13 +392,14 @@ pub(super) fn majority_hash(
 /// finish a run while the others' announcements of the last round were on their way), or as
 /// many, every serving replica of the stage has announced this round (no vote is still to
 /// come) and the other side has more replicas among all that announced the round (checked or
-/// not), or as many and the smaller key. The loser downloads the winner's state. Without the second
-/// condition the first announcement of a round to arrive would win a tie of one against one,
-/// however many replicas were still to announce the majority's hash. Only the replicas
-/// `verified` admits vote: those whose work this replica checked (identities that only
-/// announce a hash cannot outvote it however many they are), or every one while it checked
-/// none (a replica restarted from its checkpoint has nothing else to go by; without that,
-/// two replicas that had not checked each other would each keep their own parameters).
+/// not), or as many and the smaller key. The loser downloads the winner's state. Without the
+/// wait for every vote in a tie, the first announcement of a round to arrive would win a tie
+/// of one against one, however many replicas were still to announce the majority's hash.
+/// Only the replicas `verified` admits vote: those whose work this replica checked
+/// (identities that only announce a hash cannot outvote it however many they are), or every
+/// one while it checked none (a replica restarted from its checkpoint has nothing else to go
+/// by; without that, two replicas that had not checked each other would each keep their own
+/// parameters).
 /// Unchecked replicas break a tie of checked ones: a replica that checked one of two others
 /// holding the same parameters, and not the other, would otherwise win its tie against the
 /// one it checked by key, and keep the parameters only it holds to the end of the run (those

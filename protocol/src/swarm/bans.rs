@@ -76,6 +76,9 @@ pub const DEVIATION: f64 = 2.0;
 /// by every replica (a share is only clipped), and an honest part's agreement scatters less.
 pub const PART_WINDOW: usize = 3;
 
+// Windows are judged by their medians, taken as `robust::lower_median`: odd windows have one.
+const _: () = assert!(WINDOW % 2 == 1 && PART_WINDOW % 2 == 1);
+
 /// Below this median agreement the averaged parts a member sent disagree with the shares they
 /// were reduced from: a negated part gives about -1, a zeroed one 0, an honest one about 1 on
 /// average. A member whose weight was capped, or whose small batch carried little of the
@@ -184,11 +187,7 @@ impl Record {
         // (`attack.toml` under `flip-backward`: two rounds at -0.3 and -0.8, in a window of
         // ones, had a majority of the stage accuse and ban one in 2 of 12 runs while the
         // window's mean decided). Flipped, zeroed or scaled shares oppose every round.
-        let median = |w: Vec<f64>| {
-            let mut v = w;
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
+        let median = super::robust::lower_median;
         let shares = (self.shares.len() == WINDOW).then(|| {
             let of = |f: fn(&Support) -> f64| median(self.shares.iter().map(f).collect());
             let ratio = of(|s| s.ratio);
