@@ -751,6 +751,24 @@ mod tests {
         );
     }
 
+    /// A replica that diverged is re-synced against every attacker of its stage, whether
+    /// they announce its hash or keep announcing an earlier round, as long as more than half
+    /// of the stage agree: the majority then outnumbers it and them together. At half it can
+    /// be kept apart (the README's threat model says so).
+    #[test]
+    fn more_than_half_in_agreement_re_sync_a_replica_that_diverged() {
+        let vote = |m: &Membership| outvoted(m, ME, 1, 1, PeerKey(9), 3, 7, ALL);
+        // Attackers: 4 announces this replica's hash, 2 stays a round behind.
+        let attackers = [(4, 1, 1, 7), (2, 1, 0, 7)];
+        let stage = |honest: &[u64]| {
+            let mut list: Vec<_> = honest.iter().map(|&k| (k, 1, 1, 3)).collect();
+            list.extend(attackers);
+            members(&list)
+        };
+        assert!(vote(&stage(&[9, 8, 7, 6])), "4 of 7 agree");
+        assert!(!vote(&stage(&[9, 8, 6])), "3 of 6 agree");
+    }
+
     /// Identities that announce a hash but did no work this replica checked (sybils) do not
     /// vote, however many; a replica that checked no one's work (it is joining) counts
     /// every announcement, as it has nothing else to go by.
