@@ -635,6 +635,12 @@ pub struct TrainArgs {
     /// DiLoCo).
     #[arg(long, default_value = "fp32")]
     pub averaging_codec: shoal_protocol::Codec,
+    /// Send activations and their gradients as their coordinates in the K principal
+    /// directions of the activations that crossed each stage boundary (tracked by the sending
+    /// stage, refined every 10 steps, each basis counted as sent), coded with the boundary
+    /// codecs. Measured here only: swarm peers do not send bases.
+    #[arg(long, value_name = "K")]
+    pub principal_subspace: Option<usize>,
     /// Write a JSON report here.
     #[arg(long)]
     pub report: Option<PathBuf>,

@@ -15,6 +15,7 @@ use shoal_protocol::swarm::SyncMode;
 use std::sync::Arc;
 use std::time::Instant;
 
+mod principal;
 mod replicas;
 
 use replicas::{Projection, Replicas, Settings, Traffic};
@@ -74,6 +75,9 @@ pub struct SwarmReport {
     pub activation_codec: String,
     pub gradient_codec: String,
     pub averaging_codec: String,
+    /// `--principal-subspace`: directions kept at each boundary.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub principal_subspace: Option<usize>,
     /// Bytes sent by traffic kind (encoded, as the swarm sends them) and the same in fp32.
     pub bytes: std::collections::BTreeMap<&'static str, u64>,
     pub fp32_bytes: std::collections::BTreeMap<&'static str, u64>,
@@ -112,6 +116,17 @@ impl Trainer {
         match self {
             Trainer::Alone { pipeline, .. } => pipeline,
             Trainer::Swarm(r) => r.first_pipeline(),
+        }
+    }
+
+    /// What the evaluated model goes through at its boundaries.
+    fn projection(&self, codec: Codec) -> Projection {
+        match self {
+            Trainer::Alone { .. } => Projection {
+                codec,
+                subspaces: Vec::new(),
+            },
+            Trainer::Swarm(r) => r.projection(),
         }
     }
 
@@ -190,6 +205,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         &shoal_protocol::HopCodec::fixed(args.gradient_codec),
     )
     .map_err(anyhow::Error::msg)?;
+    if args.principal_subspace.is_some()
+        && [args.activation_codec, args.gradient_codec]
+            .iter()
+            .any(|c| matches!(c, Codec::Subspace { .. }))
+    {
+        bail!(
+            "--principal-subspace projects the boundaries itself: give plain codecs (int4, not sub:F:int4)"
+        );
+    }
     let microbatch = args.microbatch.unwrap_or(args.batch).min(args.batch);
     let as_swarm = args.replicas > 1
         || sync != SyncMode::AllReduce
@@ -199,7 +223,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             args.averaging_codec,
         ]
         .iter()
-        .any(|c| *c != Codec::Fp32);
+        .any(|c| *c != Codec::Fp32)
+        || args.principal_subspace.is_some();
     let init = args
         .init
         .as_deref()
@@ -247,6 +272,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             activation_codec: args.activation_codec,
             gradient_codec: args.gradient_codec,
             averaging_codec: args.averaging_codec,
+            principal_subspace: args.principal_subspace.map(|k| (k, config.width)),
         };
         Trainer::Swarm(Box::new(Replicas::new(pipelines, shards, settings)?))
     } else {
@@ -293,11 +319,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let evaluate = |trainer: &mut Trainer| -> anyhow::Result<f64> {
         let mut loader = held_out()?;
         let mut sum = 0.0;
+        let mut projection = trainer.projection(args.activation_codec);
         for _ in 0..HELD_OUT_SAMPLES / eval_batch {
-            sum += f64::from(trainer.pipeline().evaluate_via(
-                &loader.next_batch(eval_batch),
-                &mut Projection(args.activation_codec),
-            )?);
+            sum += f64::from(
+                trainer
+                    .pipeline()
+                    .evaluate_via(&loader.next_batch(eval_batch), &mut projection)?,
+            );
         }
         Ok(sum / (HELD_OUT_SAMPLES / eval_batch) as f64)
     };
@@ -407,10 +435,24 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             let Traffic { bytes, fp32_bytes } = r.traffic();
             for (kind, sent) in &bytes {
                 let raw = fp32_bytes.get(kind).copied().unwrap_or(0);
+                if raw == 0 {
+                    println!("sent: {kind} {:.1} MB", *sent as f64 / 1e6);
+                    continue;
+                }
                 println!(
                     "sent: {kind} {:.1} MB ({:.1}x fewer bytes than fp32)",
                     *sent as f64 / 1e6,
                     raw as f64 / (*sent).max(1) as f64
+                );
+            }
+            if let Some(basis) = bytes.get("basis") {
+                let kinds = ["activations", "activation_grads"];
+                let sent: u64 = kinds.iter().filter_map(|k| bytes.get(k)).sum::<u64>() + basis;
+                let raw: u64 = kinds.iter().filter_map(|k| fp32_bytes.get(k)).sum();
+                println!(
+                    "between stages, bases included: {:.1} MB ({:.1}x fewer bytes than fp32)",
+                    sent as f64 / 1e6,
+                    raw as f64 / sent.max(1) as f64
                 );
             }
             Some(SwarmReport {
@@ -419,6 +461,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 activation_codec: args.activation_codec.to_string(),
                 gradient_codec: args.gradient_codec.to_string(),
                 averaging_codec: args.averaging_codec.to_string(),
+                principal_subspace: args.principal_subspace,
                 bytes,
                 fp32_bytes,
             })

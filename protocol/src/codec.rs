@@ -41,6 +41,7 @@ mod chunked;
 mod feedback;
 mod header;
 mod lowbit;
+pub mod principal;
 mod subspace;
 mod topk;
 mod values;

@@ -19,9 +19,11 @@
 //! Bytes are counted as the swarm sends them: every encoded tensor message (header
 //! included), by traffic kind, against the same tensors in fp32.
 
+use super::principal::Subspaces;
 use anyhow::{Context, bail};
 use serde::Serialize;
 use shoal_compute::{AnyBackend, Coupling, DataLoader, LocalPipeline, Transit};
+use shoal_protocol::codec::principal::PrincipalBasis;
 use shoal_protocol::swarm::SyncMode;
 use shoal_protocol::swarm::averaging::{Feedback, part_range};
 use shoal_protocol::swarm::robust::{self, Share};
@@ -52,6 +54,10 @@ struct Boundaries {
     decoder: Decoder,
     buf: Vec<u8>,
     traffic: Traffic,
+    /// `--principal-subspace`: the coefficients in each boundary's basis are what is coded.
+    subspaces: Option<Subspaces>,
+    /// The replica whose tensors cross now.
+    replica: usize,
 }
 
 impl Boundaries {
@@ -68,27 +74,70 @@ impl Boundaries {
             self.traffic.add(kind, self.buf.len(), n);
         }
     }
+
+    /// `values` cross in `basis`: their coefficients go through `codec`, counted as `values`
+    /// (the fp32 tensor they stand for).
+    fn roundtrip_in(
+        &mut self,
+        basis: &PrincipalBasis,
+        codec: Codec,
+        kind: &'static str,
+        values: &mut [f32],
+    ) {
+        let mut y = Vec::new();
+        basis.project(values, &mut y);
+        let n = y.len();
+        if self.encoder.encode(codec, &y, &[n], &mut self.buf).is_ok()
+            && self.decoder.decode(&self.buf, &mut y).is_ok()
+        {
+            self.traffic.add(kind, self.buf.len(), values.len());
+        }
+        basis.expand(&y, values);
+    }
 }
 
 impl Transit for Boundaries {
-    fn activations(&mut self, _from: usize, values: &mut Vec<f32>) {
-        self.roundtrip(self.activations, "activations", values);
+    fn activations(&mut self, from: usize, values: &mut Vec<f32>) {
+        let Some(subspaces) = self.subspaces.as_mut() else {
+            return self.roundtrip(self.activations, "activations", values);
+        };
+        let (basis, sent) = subspaces.forward(self.replica, from, values);
+        let basis = basis.clone();
+        // The receiver needs each basis the sender finds, once.
+        self.traffic.add("basis", 4 * sent, 0);
+        self.roundtrip_in(&basis, self.activations, "activations", values);
     }
 
-    fn activation_grads(&mut self, _from: usize, values: &mut Vec<f32>) {
-        self.roundtrip(self.activation_grads, "activation_grads", values);
+    fn activation_grads(&mut self, from: usize, values: &mut Vec<f32>) {
+        let basis = self
+            .subspaces
+            .as_ref()
+            .and_then(|s| s.backward(self.replica, from - 1).cloned());
+        match basis {
+            Some(basis) => {
+                self.roundtrip_in(&basis, self.activation_grads, "activation_grads", values)
+            }
+            None => self.roundtrip(self.activation_grads, "activation_grads", values),
+        }
     }
 }
 
-/// What the activation codec does to the model, its rounding aside (a subspace code's
-/// projection): applied wherever the trained model is evaluated.
-pub struct Projection(pub Codec);
+/// What the boundaries do to the model, rounding aside (a subspace code's projection, or
+/// the principal subspaces'): applied wherever the trained model is evaluated.
+pub struct Projection {
+    pub codec: Codec,
+    /// Replica 0's principal subspaces by boundary, where the run had them.
+    pub subspaces: Vec<Option<PrincipalBasis>>,
+}
 
 impl Transit for Projection {
-    fn activations(&mut self, _from: usize, values: &mut Vec<f32>) {
+    fn activations(&mut self, from: usize, values: &mut Vec<f32>) {
+        if let Some(Some(basis)) = self.subspaces.get(from) {
+            return basis.apply(values);
+        }
         // Activations are whole rows of the model's width, a multiple of the code's block for
         // every preset (a test checks): this cannot fail.
-        let _ = self.0.apply_projection(values);
+        let _ = self.codec.apply_projection(values);
     }
 }
 
@@ -108,6 +157,8 @@ pub struct Settings {
     pub gradient_codec: Codec,
     /// Codec of the averaging between replicas.
     pub averaging_codec: Codec,
+    /// `--principal-subspace`: directions kept at each boundary, and the model's width.
+    pub principal_subspace: Option<(usize, usize)>,
 }
 
 /// R replicas of a pipeline training together.
@@ -175,6 +226,11 @@ impl Replicas {
                 decoder: Decoder::new(),
                 buf: Vec::new(),
                 traffic: Traffic::default(),
+                subspaces: settings
+                    .principal_subspace
+                    .map(|(k, width)| Subspaces::new(k, width, settings.replicas, anchors.len()))
+                    .transpose()?,
+                replica: 0,
             },
             pipelines,
             data,
@@ -204,6 +260,7 @@ impl Replicas {
             let batch = self.data[r].next_batch(b);
             let microbatch = self.settings.microbatch.min(b);
             let pipeline = &mut self.pipelines[r];
+            self.boundaries.replica = r;
             let loss = pipeline.accumulate_via(&batch, microbatch, &mut self.boundaries)?;
             loss_sum += f64::from(loss) * b as f64;
             match self.settings.sync {
@@ -220,6 +277,10 @@ impl Replicas {
                     self.samples_since_outer[r] += b as f64;
                 }
             }
+        }
+        if let Some(subspaces) = self.boundaries.subspaces.as_mut() {
+            let sent = subspaces.end_step();
+            self.boundaries.traffic.add("basis", 4 * sent, 0);
         }
         match self.settings.sync {
             SyncMode::AllReduce => {
@@ -343,6 +404,18 @@ impl Replicas {
         &mut self.pipelines[0]
     }
 
+    /// What the model evaluated (replica 0's) goes through at its boundaries.
+    pub fn projection(&self) -> Projection {
+        Projection {
+            codec: self.settings.activation_codec,
+            subspaces: self
+                .boundaries
+                .subspaces
+                .as_ref()
+                .map_or_else(Vec::new, Subspaces::first_replicas),
+        }
+    }
+
     /// Parameters trained by one replica.
     pub fn param_count(&self) -> usize {
         self.pipelines[0].param_count()
@@ -423,6 +496,7 @@ mod tests {
             activation_codec: boundaries,
             gradient_codec: boundaries,
             averaging_codec: averaging,
+            principal_subspace: None,
         };
         Replicas::new(
             (0..n).map(|_| pipeline(stages)).collect(),
@@ -503,6 +577,64 @@ mod tests {
             let ratio = t.fp32_bytes[kind] as f64 / *sent as f64;
             assert!((3.5..4.0).contains(&ratio), "{kind}: int8 ratio {ratio}");
         }
+    }
+
+    /// `--principal-subspace`: the boundaries send the coefficients of half the width (int8
+    /// here: about 7.5x fewer bytes than fp32), each replica's bases are counted as sent when
+    /// found and at each refinement, and the evaluated model goes through replica 0's bases:
+    /// a tensor outside the subspace does not reach the next stage.
+    #[test]
+    fn principal_subspaces_send_coefficients_and_their_bases() {
+        let (n, stages) = (2usize, 3usize);
+        let width = Preset::Nano.config().width;
+        let codec = Codec::Int8 { block: 32 };
+        let settings = Settings {
+            replicas: n,
+            sync: SyncMode::AllReduce,
+            batch: 8,
+            microbatch: 4,
+            activation_codec: codec,
+            gradient_codec: codec,
+            averaging_codec: Codec::Fp32,
+            principal_subspace: Some((width / 2, width)),
+        };
+        let mut r = Replicas::new(
+            (0..n).map(|_| pipeline(stages)).collect(),
+            (0..n).map(|i| data(i, n)).collect(),
+            settings,
+        )
+        .expect("replicas");
+        let steps = super::super::principal::REFRESH_STEPS;
+        let mut losses = Vec::new();
+        for _ in 0..steps {
+            losses.push(r.step().expect("step"));
+        }
+        assert!(losses.iter().all(|l| l.is_finite()));
+        let t = r.traffic();
+        for kind in ["activations", "activation_grads"] {
+            let ratio = t.fp32_bytes[kind] as f64 / t.bytes[kind] as f64;
+            assert!((7.0..8.0).contains(&ratio), "{kind}: {ratio}");
+        }
+        // Found once and refined once, per replica and boundary, in fp32.
+        let basis = width / 2 * width * 4;
+        assert_eq!(t.bytes["basis"], (2 * n * (stages - 1) * basis) as u64);
+        let mut projection = r.projection();
+        assert_eq!(projection.subspaces.len(), stages - 1);
+        let basis = projection.subspaces[0].clone().expect("found");
+        // A vector orthogonal to the subspace: what the projection drops.
+        let mut x: Vec<f32> = (0..width).map(|i| ((i * 7 % 5) as f32) - 2.0).collect();
+        let mut kept = x.clone();
+        basis.apply(&mut kept);
+        x.iter_mut().zip(&kept).for_each(|(a, k)| *a -= k);
+        let mut through = x.clone();
+        projection.activations(0, &mut through);
+        let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>().sqrt();
+        assert!(
+            norm(&through) < 1e-3 * norm(&x),
+            "{} of {}",
+            norm(&through),
+            norm(&x)
+        );
     }
 
     /// Error feedback is what lets sparse pseudo-gradients train: 1.6% of each stage's
