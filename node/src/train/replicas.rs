@@ -4,17 +4,18 @@
 //! Each replica is a whole pipeline of the model with its own data shard and its share of
 //! every step's global batch, as the swarm's replicas of every stage would have. Tensors cross
 //! stage boundaries through an encode/decode round trip with the run's activation and
-//! activation-gradient codecs. Replicas agree as swarm replicas do: every step (allreduce: the
-//! sum of each replica's gradients over its samples), or every H local steps (DiLoCo: each
-//! replica's pseudo-gradient, weighted by its samples, then the outer Nesterov step). The
-//! average is the swarm round's: part `j` of each stage's vector is owned by replica `j`
-//! ([`part_range`]), every other replica's share of it is encoded and decoded on its way
-//! there, the owner reduces the shares with the swarm's [`robust::centered_clip`], and the part
-//! it sends back is encoded once and decoded by everyone, the owner included. Both encodings
-//! carry error feedback as the swarm's do: each replica's shares withhold what their codec
-//! dropped until its next round, and each owner's parts what theirs dropped. The optimizer
-//! step is the replica step's: each stage clips its own gradient norm and trains its own copy
-//! of the tied embedding (`Coupling::PerStage`).
+//! activation-gradient codecs (with `--principal-subspace`, their coordinates in each
+//! boundary's principal subspace do, see [`super::principal`]). Replicas agree as swarm
+//! replicas do: every step (allreduce: the sum of each replica's gradients over its samples),
+//! or every H local steps (DiLoCo: each replica's pseudo-gradient, weighted by its samples,
+//! then the outer Nesterov step). The average is the swarm round's: part `j` of each stage's
+//! vector is owned by replica `j` ([`part_range`]), every other replica's share of it is
+//! encoded and decoded on its way there, the owner reduces the shares with the swarm's
+//! [`robust::centered_clip`], and the part it sends back is encoded once and decoded by
+//! everyone, the owner included. Both encodings carry error feedback as the swarm's do: each
+//! replica's shares withhold what their codec dropped until its next round, and each owner's
+//! parts what theirs dropped. The optimizer step is the replica step's: each stage clips its
+//! own gradient norm and trains its own copy of the tied embedding (`Coupling::PerStage`).
 //!
 //! Bytes are counted as the swarm sends them: every encoded tensor message (header
 //! included), by traffic kind, against the same tensors in fp32.
@@ -112,7 +113,8 @@ impl Transit for Boundaries {
         let basis = self
             .subspaces
             .as_ref()
-            .and_then(|s| s.backward(self.replica, from - 1).cloned());
+            .zip(from.checked_sub(1))
+            .and_then(|(s, boundary)| s.backward(self.replica, boundary).cloned());
         match basis {
             Some(basis) => {
                 self.roundtrip_in(&basis, self.activation_grads, "activation_grads", values)
