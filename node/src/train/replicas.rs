@@ -64,15 +64,20 @@ struct Boundaries {
 impl Boundaries {
     fn roundtrip(&mut self, codec: Codec, kind: &'static str, values: &mut Vec<f32>) {
         let n = values.len();
-        // A codec that cannot encode these values (not finite) leaves them as they are; the
-        // loss then says so.
+        self.code(codec, kind, values, n);
+    }
+
+    /// `values` go through `codec`, counted as `stands_for` fp32 values. A codec that cannot
+    /// encode them (not finite) leaves them as they are; the loss then says so.
+    fn code(&mut self, codec: Codec, kind: &'static str, values: &mut Vec<f32>, stands_for: usize) {
+        let n = values.len();
         if self
             .encoder
             .encode(codec, values, &[n], &mut self.buf)
             .is_ok()
             && self.decoder.decode(&self.buf, values).is_ok()
         {
-            self.traffic.add(kind, self.buf.len(), n);
+            self.traffic.add(kind, self.buf.len(), stands_for);
         }
     }
 
@@ -87,40 +92,37 @@ impl Boundaries {
     ) {
         let mut y = Vec::new();
         basis.project(values, &mut y);
-        let n = y.len();
-        if self.encoder.encode(codec, &y, &[n], &mut self.buf).is_ok()
-            && self.decoder.decode(&self.buf, &mut y).is_ok()
-        {
-            self.traffic.add(kind, self.buf.len(), values.len());
-        }
+        self.code(codec, kind, &mut y, values.len());
         basis.expand(&y, values);
     }
 }
 
 impl Transit for Boundaries {
     fn activations(&mut self, from: usize, values: &mut Vec<f32>) {
-        let Some(subspaces) = self.subspaces.as_mut() else {
+        // Taken out while its basis is borrowed, so that the basis need not be copied.
+        let Some(mut subspaces) = self.subspaces.take() else {
             return self.roundtrip(self.activations, "activations", values);
         };
         let (basis, sent) = subspaces.forward(self.replica, from, values);
-        let basis = basis.clone();
         // The receiver needs each basis the sender finds, once.
         self.traffic.add("basis", 4 * sent, 0);
-        self.roundtrip_in(&basis, self.activations, "activations", values);
+        self.roundtrip_in(basis, self.activations, "activations", values);
+        self.subspaces = Some(subspaces);
     }
 
     fn activation_grads(&mut self, from: usize, values: &mut Vec<f32>) {
-        let basis = self
-            .subspaces
+        let subspaces = self.subspaces.take();
+        let basis = subspaces
             .as_ref()
             .zip(from.checked_sub(1))
-            .and_then(|(s, boundary)| s.backward(self.replica, boundary).cloned());
+            .and_then(|(s, boundary)| s.backward(self.replica, boundary));
         match basis {
             Some(basis) => {
-                self.roundtrip_in(&basis, self.activation_grads, "activation_grads", values)
+                self.roundtrip_in(basis, self.activation_grads, "activation_grads", values)
             }
             None => self.roundtrip(self.activation_grads, "activation_grads", values),
         }
+        self.subspaces = subspaces;
     }
 }
 

@@ -64,16 +64,6 @@ impl PrincipalBasis {
         self.spread(seed);
     }
 
-    /// Directions.
-    pub fn k(&self) -> usize {
-        self.k
-    }
-
-    /// Width of the vectors it projects.
-    pub fn d(&self) -> usize {
-        self.d
-    }
-
     /// Values a receiver needs to hold it.
     pub fn len(&self) -> usize {
         self.rows.len()
